@@ -1,0 +1,26 @@
+"""Shared library of the recipes: precision, the training loop, checkpoints and logging."""
+
+from amp_utils.autocast import PRECISIONS, AMPConfig, TorchAutocast, fwd_default_precision
+from amp_utils.brain import Brain, NonFiniteLossError, Stage, TrainingInterrupted
+from amp_utils.checkpoint import Checkpoint, Checkpointer, CheckpointError
+from amp_utils.epoch_counter import EpochCounter
+from amp_utils.precision import PrecisionNotSupportedError, resolve_device
+from amp_utils.run_options import RunOptions
+
+__all__ = [
+    "PRECISIONS",
+    "AMPConfig",
+    "Brain",
+    "Checkpoint",
+    "CheckpointError",
+    "Checkpointer",
+    "EpochCounter",
+    "NonFiniteLossError",
+    "PrecisionNotSupportedError",
+    "RunOptions",
+    "Stage",
+    "TorchAutocast",
+    "TrainingInterrupted",
+    "fwd_default_precision",
+    "resolve_device",
+]

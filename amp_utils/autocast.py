@@ -1,0 +1,128 @@
+"""Autocast helpers with the API and behaviour of SpeechBrain's ``speechbrain.utils.autocast``.
+
+``AMPConfig`` maps a precision name to a dtype, ``TorchAutocast`` is ``torch.autocast`` that
+is a true no-op for fp32, and ``fwd_default_precision`` pins a module's forward to a safe
+precision (fp32 by default) even when the caller runs under autocast. Unlike SpeechBrain's
+original, the decorator uses ``torch.amp.custom_fwd`` with the device type of the inputs, so
+it works for CPU autocast as well as CUDA autocast.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: The one table from precision name to dtype.
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class AMPConfig:
+    """Mixed-precision setting of a run: the dtype that autocast computes in."""
+
+    dtype: torch.dtype
+
+    @classmethod
+    def from_name(cls, name: str | None) -> AMPConfig:
+        """Build from ``"fp32"``, ``"fp16"``, ``"bf16"`` (``None`` means fp32).
+
+        Raises:
+            ValueError: for any other name; the message lists the valid ones.
+        """
+        if name is None:
+            return cls(torch.float32)
+        if isinstance(name, str) and name in PRECISIONS:
+            return cls(PRECISIONS[name])
+        raise ValueError(
+            f"Specified autocast mode ({name!r}) incorrect, expected one of `fp32`, `fp16`, `bf16`."
+        )
+
+    @property
+    def name(self) -> str:
+        """The short name (``fp32``/``fp16``/``bf16``) of this config's dtype."""
+        for key, dtype in PRECISIONS.items():
+            if dtype == self.dtype:
+                return key
+        raise ValueError(f"No precision name for dtype {self.dtype}")
+
+
+class TorchAutocast:
+    """``torch.autocast`` that does nothing at all for float32 (or no dtype).
+
+    All arguments are forwarded to ``torch.autocast``. Errors raised when entering
+    autocast (e.g. a dtype the device does not support) are re-raised with the dtype and
+    the device in the message, chained to the original error.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        dtype = kwargs.get("dtype", torch.float32)
+        self.enabled = dtype is not None and dtype != torch.float32
+        self.context = torch.autocast(*args, **kwargs) if self.enabled else nullcontext()
+
+    def __enter__(self) -> Any:
+        try:
+            return self.context.__enter__()
+        except RuntimeError as err:
+            device = getattr(self.context, "device", "?")
+            dtype = getattr(self.context, "fast_dtype", "?")
+            raise RuntimeError(
+                f"Error during autocasting with dtype={dtype} on device={device}: {err}"
+            ) from err
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.context.__exit__(*exc)
+
+
+def _first_tensor_device_type(args: tuple, kwargs: dict) -> str:
+    """Device type (``"cuda"``, ``"cpu"``, ...) of the first tensor argument."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cpu"
+
+
+def fwd_default_precision(
+    fwd: Callable | None = None,
+    cast_inputs: torch.dtype | None = torch.float32,
+) -> Callable:
+    """Decorator for forward methods that must not run in reduced precision.
+
+    Under autocast, the wrapped forward runs with autocast disabled and its floating-point
+    tensor inputs cast to ``cast_inputs`` (e.g. feature extraction, CTC loss, softmax over
+    a large vocabulary). Outside autocast nothing changes. The wrapped function gains a
+    ``force_allow_autocast`` keyword: ``True`` calls the original function untouched, so a
+    user can opt back into autocast.
+
+    Usable bare (``@fwd_default_precision``) or with arguments
+    (``@fwd_default_precision(cast_inputs=torch.float64)``).
+
+    Args:
+        fwd: the function to wrap; omitted when the decorator is called with arguments.
+        cast_inputs: dtype that floating-point tensor inputs are cast to under autocast.
+    """
+    if fwd is None:
+        return functools.partial(fwd_default_precision, cast_inputs=cast_inputs)
+
+    wrapped_by_device: dict[str, Callable] = {}
+
+    @functools.wraps(fwd)
+    def wrapper(*args: Any, force_allow_autocast: bool = False, **kwargs: Any) -> Any:
+        if force_allow_autocast:
+            return fwd(*args, **kwargs)
+        device_type = _first_tensor_device_type(args, kwargs)
+        if device_type not in wrapped_by_device:
+            wrapped_by_device[device_type] = torch.amp.custom_fwd(
+                fwd, device_type=device_type, cast_inputs=cast_inputs
+            )
+        return wrapped_by_device[device_type](*args, **kwargs)
+
+    return wrapper

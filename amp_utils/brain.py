@@ -1,0 +1,635 @@
+"""``Brain``: the training loop, with the API of SpeechBrain's ``speechbrain.core.Brain``.
+
+A recipe subclasses ``Brain`` and overrides ``compute_forward`` and ``compute_objectives``
+(and usually ``on_stage_end`` for metrics and checkpoints); everything else lives here:
+autocast, loss scaling, gradient clipping over all parameter groups, gradient accumulation,
+non-finite loss handling, checkpoint/resume (also mid-epoch), progress bars, debug mode,
+``torch.compile`` and per-step TensorBoard scalars.
+
+Precision rules (learned from SpeechBrain, with its gaps fixed):
+
+* forward + objectives run under ``TorchAutocast(device_type=<"cuda"|"cpu">, dtype=...)``;
+  training uses ``precision``, evaluation ``eval_precision``; backward and the optimizer
+  step run outside autocast.
+* a ``torch.amp.GradScaler`` is enabled only for fp16; per optimizer step:
+  ``unscale_`` -> clip **all** parameter groups -> ``scaler.step`` -> ``update`` -> zero grads.
+  Fused/foreach optimizers work, clipping included.
+* the LR scheduler is not stepped when the scaler skipped the optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from enum import Enum, auto
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from amp_utils.autocast import AMPConfig, TorchAutocast
+from amp_utils.checkpoint import Checkpoint, Checkpointer
+from amp_utils.epoch_counter import EpochCounter
+from amp_utils.memory import peak_memory_mb, reset_peak_memory
+from amp_utils.precision import (
+    check_precision_supported,
+    configure_tf32,
+    make_grad_scaler,
+    resolve_device,
+)
+from amp_utils.run_options import RunOptions
+
+logger = logging.getLogger(__name__)
+
+INTRA_EPOCH_FLAG = "intra_epoch"
+
+
+class Stage(Enum):
+    """Simple enum to track stage of experiments."""
+
+    TRAIN = auto()
+    VALID = auto()
+    TEST = auto()
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive non-finite losses: training cannot continue."""
+
+
+class TrainingInterrupted(SystemExit):
+    """SIGTERM/SIGINT arrived; a checkpoint was saved and the run can be resumed."""
+
+
+class _ScalerState:
+    """Checkpoint adapter for the GradScaler that tolerates precision changes on resume.
+
+    Resuming an fp16 run as bf16/fp32 (or the reverse) starts with a fresh scaler instead
+    of failing: the loss scale only means something for fp16.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"enabled": self.scaler.is_enabled(), "state": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("enabled") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["state"])
+        elif state.get("enabled") != self.scaler.is_enabled():
+            logger.warning(
+                "Precision changed since the checkpoint: the fp16 loss scaler state is dropped "
+                "and a fresh one is used."
+            )
+
+
+class Brain:
+    """Brain class abstracts away the details of data loops.
+
+    Args:
+        modules: name -> ``torch.nn.Module``; moved to the run device, available as
+            ``self.modules.<name>``.
+        opt_class: called with the modules' parameters to build the optimizer.
+        hparams: any values; available with dot access as ``self.hparams.<name>``. Two keys
+            are understood by the loop itself: ``lr_scheduler`` (a callable
+            ``optimizer -> scheduler`` stepped once per applied optimizer step) and
+            ``tensorboard`` (an ``amp_utils.TensorBoardLogger`` for per-step scalars).
+        run_opts: a ``RunOptions`` or a dict of its fields (device, precision, ...).
+        checkpointer: an ``amp_utils.Checkpointer``; the loop registers the modules (unless
+            already registered), its own state, the optimizer, the scaler and the scheduler.
+
+    Example:
+        >>> from torch.optim import SGD
+        >>> class SimpleBrain(Brain):
+        ...     def compute_forward(self, batch, stage):
+        ...         return self.modules.model(batch[0])
+        ...     def compute_objectives(self, predictions, batch, stage):
+        ...         return torch.nn.functional.l1_loss(predictions, batch[0])
+        >>> model = torch.nn.Linear(in_features=10, out_features=10)
+        >>> brain = SimpleBrain({"model": model}, opt_class=lambda x: SGD(x, 0.1))
+        >>> brain.fit(range(1), ([torch.rand(10, 10), torch.rand(10, 10)],))
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, torch.nn.Module] | None = None,
+        opt_class: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+        hparams: Mapping[str, Any] | None = None,
+        run_opts: Mapping[str, Any] | RunOptions | None = None,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
+        self.run_opts = RunOptions.from_dict(run_opts)
+        for name, value in vars(self.run_opts).items():
+            setattr(self, name, value)
+        self.device = resolve_device(self.run_opts.device)
+        self.device_type = self.device.type
+        self.amp = AMPConfig.from_name(self.run_opts.precision)
+        self.eval_amp = AMPConfig.from_name(self.run_opts.eval_precision)
+        check_precision_supported(self.amp, self.device)
+        check_precision_supported(self.eval_amp, self.device)
+        configure_tf32(self.device, self.run_opts.allow_tf32)
+
+        self.modules = torch.nn.ModuleDict(dict(modules or {})).to(self.device)
+        self.opt_class = opt_class
+        self.hparams = SimpleNamespace(**dict(hparams)) if hparams is not None else None
+        self.tensorboard = (hparams or {}).get("tensorboard")
+        self.checkpointer = checkpointer
+        self.scaler = make_grad_scaler(self.amp, self.device)
+
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizers_dict: dict[str, torch.optim.Optimizer] = {}
+        self.lr_scheduler: Any = None
+        self.step = 0  # batches done in the current stage
+        self.optimizer_step = 0  # optimizer steps applied in the whole run
+        self.skipped_steps = 0  # steps the scaler or the non-finite check skipped
+        self.nonfinite_count = 0  # consecutive non-finite losses
+        self.avg_train_loss = 0.0
+        self.last_grad_norm: torch.Tensor | None = None
+        self.train_stats = {"time_s": 0.0, "utterances": 0, "audio_s": 0.0}
+        self._resume_step = 0  # training batches already done in the interrupted epoch
+        self._accumulated_batches = 0  # finite-loss batches since the last optimizer step
+        self._epoch_counter: Any = None
+        self._stop_signal: int | None = None
+        self._last_ckpt_time = time.time()
+        self._compiled = False
+
+        if self.checkpointer is not None:
+            registered = [id(obj) for obj in self.checkpointer.recoverables.values()]
+            for name, module in self.modules.items():
+                if id(module) not in registered:  # the uncompiled module: stable state keys
+                    self.checkpointer.add_recoverable(f"module.{name}", module)
+            self.checkpointer.add_recoverable("brain", self)
+            self.checkpointer.add_recoverable("scaler", _ScalerState(self.scaler))
+
+    # ------------------------------------------------------------ to override
+    def compute_forward(self, batch: Any, stage: Stage) -> Any:
+        """Forward pass, from the batch to the predictions. Override this."""
+        raise NotImplementedError
+
+    def compute_objectives(self, predictions: Any, batch: Any, stage: Stage) -> torch.Tensor:
+        """Loss from the predictions and the targets. Override this."""
+        raise NotImplementedError
+
+    def on_stage_start(self, stage: Stage, epoch: int | None = None) -> None:
+        """Called when a stage (train, valid, test) starts; e.g. reset metric trackers."""
+
+    def on_stage_end(self, stage: Stage, stage_loss: float, epoch: int | None = None) -> None:
+        """Called when a stage ends; e.g. compute metrics and save a checkpoint."""
+
+    def on_fit_batch_start(self, batch: Any, should_step: bool) -> None:
+        """Called before each training batch."""
+
+    def on_fit_batch_end(
+        self, batch: Any, outputs: Any, loss: torch.Tensor, should_step: bool
+    ) -> None:
+        """Called after each training batch."""
+
+    def batch_stats(self, batch: Any) -> tuple[int, float]:
+        """(utterances, audio seconds) of a batch, for throughput; override for audio."""
+        try:
+            return len(batch), 0.0
+        except TypeError:
+            return 1, 0.0
+
+    # ------------------------------------------------------------------ setup
+    def on_fit_start(self) -> None:
+        """Compile modules, build optimizers and resume from the latest checkpoint."""
+        self._compile()
+        self.init_optimizers()
+        if self.checkpointer is not None:
+            ckpt = self.checkpointer.recover_if_possible(map_location=self.device)
+            if ckpt is not None:
+                self._after_resume(ckpt)
+
+    def _after_resume(self, ckpt: Checkpoint) -> None:
+        if self._resume_step > 0 and isinstance(self._epoch_counter, EpochCounter):
+            # The interrupted epoch is re-entered and its finished batches skipped.
+            self._epoch_counter.current -= 1
+        logger.info(
+            "Resumed from %s (optimizer step %d, %d batches into the epoch)",
+            ckpt.path,
+            self.optimizer_step,
+            self._resume_step,
+        )
+
+    def init_optimizers(self) -> None:
+        """Build the optimizer (and LR scheduler) and register them for checkpointing."""
+        if self.opt_class is None:
+            return
+        self.optimizer = self.opt_class(self.modules.parameters())
+        self.optimizers_dict = {"opt_class": self.optimizer}
+        factory = getattr(self.hparams, "lr_scheduler", None) if self.hparams else None
+        if factory is not None:
+            self.lr_scheduler = factory(self.optimizer)
+        if self.checkpointer is not None:
+            self.checkpointer.add_recoverable("optimizer", self.optimizer)
+            if self.lr_scheduler is not None:
+                self.checkpointer.add_recoverable("lr_scheduler", self.lr_scheduler)
+
+    def _compile(self) -> None:
+        if not self.run_opts.compile or self._compiled:
+            return
+        keys = self.run_opts.compile_module_keys or list(self.modules.keys())
+        unknown = sorted(set(keys) - set(self.modules.keys()))
+        if unknown:
+            raise ValueError(
+                f"compile_module_keys {unknown} are not modules; valid: {list(self.modules)}."
+            )
+        for key in keys:
+            self.modules[key] = torch.compile(
+                self.modules[key], mode=self.run_opts.compile_mode, dynamic=True
+            )
+        self._compiled = True
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients of every optimizer."""
+        for opt in self.optimizers_dict.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def make_dataloader(
+        self, dataset: Any, stage: Stage, ckpt_prefix: str = "dataloader-", **loader_kwargs: Any
+    ) -> DataLoader:
+        """Wrap a dataset in a DataLoader with its own seeded generator.
+
+        The loader's own generator keeps loader start-up from consuming the global RNG, so
+        a resumed run sees the same random stream as an uninterrupted one.
+        """
+        if "generator" not in loader_kwargs:
+            loader_kwargs["generator"] = torch.Generator().manual_seed(self.run_opts.seed)
+        return DataLoader(dataset, **loader_kwargs)
+
+    # ------------------------------------------------------------- one batch
+    def fit_batch(self, batch: Any) -> torch.Tensor:
+        """Train on one batch: autocast forward, scaled backward, step every N batches."""
+        should_step = self.step % self.run_opts.grad_accumulation_factor == 0
+        self.on_fit_batch_start(batch, should_step)
+        with TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype):
+            outputs = self.compute_forward(batch, Stage.TRAIN)
+            loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
+        if self.check_loss_isfinite(loss):
+            self.scaler.scale(loss / self.run_opts.grad_accumulation_factor).backward()
+            self._accumulated_batches += 1
+        if should_step:
+            self.optimizers_step()
+        self.on_fit_batch_end(batch, outputs, loss, should_step)
+        return loss.detach().cpu()
+
+    def check_loss_isfinite(self, loss: torch.Tensor) -> bool:
+        """True if the loss is finite; counts and skips non-finite ones.
+
+        Raises:
+            NonFiniteLossError: after more than ``nonfinite_patience`` consecutive ones.
+        """
+        if bool(torch.isfinite(loss)):
+            self.nonfinite_count = 0
+            return True
+        self.nonfinite_count += 1
+        logger.warning(
+            "Non-finite loss (%s) at step %d, batch skipped (%d in a row, patience %d).",
+            float(loss.detach()),
+            self.step,
+            self.nonfinite_count,
+            self.run_opts.nonfinite_patience,
+        )
+        if self.nonfinite_count > self.run_opts.nonfinite_patience:
+            raise NonFiniteLossError(
+                f"The loss was not finite for {self.nonfinite_count} consecutive batches "
+                f"(nonfinite_patience={self.run_opts.nonfinite_patience}); training stopped. "
+                "Try a lower learning rate, precision=bf16 instead of fp16, a smaller "
+                "trainer.max_grad_norm, or check the input data for silent/corrupt audio."
+            )
+        return False
+
+    def _trained_parameters(self) -> list[torch.Tensor]:
+        return [
+            p
+            for opt in self.optimizers_dict.values()
+            for group in opt.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+
+    def optimizers_step(self) -> None:
+        """Unscale, clip all parameter groups, step through the scaler, then zero grads."""
+        if not self.optimizers_dict:
+            return
+        accumulated, self._accumulated_batches = self._accumulated_batches, 0
+        if accumulated == 0:  # every batch of this step had a non-finite loss
+            self.skipped_steps += 1
+            self.zero_grad(set_to_none=True)
+            return
+        for opt in self.optimizers_dict.values():
+            self.scaler.unscale_(opt)
+        params = self._trained_parameters()
+        if self.run_opts.max_grad_norm > 0 and params:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, self.run_opts.max_grad_norm
+            )
+        elif params:
+            self.last_grad_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
+            )
+        if (
+            self.run_opts.skip_nonfinite_grads
+            and not self.scaler.is_enabled()
+            and self.last_grad_norm is not None
+            and not bool(torch.isfinite(self.last_grad_norm))
+        ):
+            logger.warning("Non-finite gradients at step %d: step skipped.", self.step)
+            self.skipped_steps += 1
+            self.zero_grad(set_to_none=True)
+            return
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        for opt in self.optimizers_dict.values():
+            self.scaler.step(opt)
+        self.scaler.update()
+        if scale_before is not None and self.scaler.get_scale() < scale_before:
+            self.skipped_steps += 1  # inf/NaN gradients: the scaler skipped this step
+        else:
+            self.optimizer_step += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def evaluate_batch(self, batch: Any, stage: Stage) -> torch.Tensor:
+        """Evaluate one batch under ``eval_precision``; returns the detached loss."""
+        with TorchAutocast(device_type=self.device_type, dtype=self.eval_amp.dtype):
+            outputs = self.compute_forward(batch, stage)
+            loss = self.compute_objectives(outputs, batch, stage)
+        return loss.detach().cpu()
+
+    def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
+        """Running mean of the loss over the ``self.step`` batches of this stage."""
+        if torch.isfinite(loss):
+            avg_loss -= avg_loss / self.step
+            avg_loss += float(loss) / self.step
+        return avg_loss
+
+    # ------------------------------------------------------------------- loops
+    def fit(
+        self,
+        epoch_counter: Iterable[int],
+        train_set: Any,
+        valid_set: Any = None,
+        progressbar: bool | None = None,
+        train_loader_kwargs: Mapping[str, Any] | None = None,
+        valid_loader_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Train for the epochs of ``epoch_counter``, validating after each one.
+
+        Datasets that are not DataLoaders go through ``make_dataloader``. With a
+        checkpointer the run resumes from its latest checkpoint, mid-epoch too.
+        """
+        if not isinstance(train_set, DataLoader):
+            train_set = self.make_dataloader(train_set, Stage.TRAIN, **(train_loader_kwargs or {}))
+        if valid_set is not None and not isinstance(valid_set, DataLoader):
+            valid_set = self.make_dataloader(valid_set, Stage.VALID, **(valid_loader_kwargs or {}))
+        for loader in (train_set, valid_set):
+            if loader is not None and loader.generator is None:
+                # Keep iterator start-up off the global RNG, so resumes replay exactly.
+                loader.generator = torch.Generator().manual_seed(self.run_opts.seed)
+        self._epoch_counter = epoch_counter
+        if (
+            self.checkpointer is not None
+            and isinstance(epoch_counter, EpochCounter)
+            and not any(obj is epoch_counter for obj in self.checkpointer.recoverables.values())
+        ):
+            self.checkpointer.add_recoverable("epoch_counter", epoch_counter)
+        self.on_fit_start()
+        enable = (not self.run_opts.noprogressbar) if progressbar is None else progressbar
+        reset_peak_memory(self.device)
+        with self._stop_signals_caught():
+            for epochs_run, epoch in enumerate(epoch_counter, start=1):
+                self._fit_train(train_set, epoch, enable)
+                self._fit_valid(valid_set, epoch, enable)
+                if self.run_opts.debug and epochs_run >= self.run_opts.debug_epochs:
+                    break
+
+    def _set_loader_epoch(self, loader: DataLoader, epoch: int, skip: int) -> bool:
+        """Tell an epoch-aware sampler the epoch; True if it will skip ``skip`` batches."""
+        sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+        for candidate in (sampler, getattr(sampler, "sampler", None)):
+            if hasattr(candidate, "set_epoch"):
+                candidate.set_epoch(epoch)
+                if skip and hasattr(candidate, "skip_batches"):
+                    candidate.skip_batches(skip)
+                    return True
+        return False
+
+    def _fit_train(self, train_set: DataLoader, epoch: int, enable: bool) -> None:
+        self.on_stage_start(Stage.TRAIN, epoch)
+        self.modules.train()
+        self.zero_grad()
+        skip = self._resume_step
+        skipped_by_sampler = self._set_loader_epoch(train_set, epoch, skip)
+        self.step = skip
+        if skip == 0:
+            self.avg_train_loss = 0.0
+        total = len(train_set) if hasattr(train_set, "__len__") else None
+        if self.run_opts.debug and total is not None:
+            total = min(total, self.run_opts.debug_batches)
+        start = time.perf_counter()
+        with tqdm(
+            train_set,
+            initial=skip,
+            total=total,
+            dynamic_ncols=True,
+            disable=not enable,
+            desc=f"epoch {epoch} train",
+        ) as bar:
+            batches = iter(bar)
+            if skip and not skipped_by_sampler:
+                for _ in range(skip):
+                    next(batches)
+            for batch in batches:
+                if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
+                    break
+                utterances, audio_s = self.batch_stats(batch)
+                self.step += 1
+                loss = self.fit_batch(batch)
+                self.avg_train_loss = self.update_average(loss, self.avg_train_loss)
+                self.train_stats["utterances"] += utterances
+                self.train_stats["audio_s"] += audio_s
+                self._resume_step = self.step
+                bar.set_postfix(train_loss=f"{self.avg_train_loss:.4f}")
+                self._log_train_step(loss, utterances, start)
+                if self.step % self.run_opts.grad_accumulation_factor == 0:
+                    self._maybe_save_intra_epoch()
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.train_stats["time_s"] += time.perf_counter() - start
+        self._resume_step = 0
+        self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
+        self.step = 0
+
+    def _log_train_step(self, loss: torch.Tensor, utterances: int, start: float) -> None:
+        if self.tensorboard is None or self.optimizer_step % self.run_opts.log_interval_steps:
+            return
+        scalars: dict[str, float] = {"train/loss": float(loss)}
+        if self.optimizer is not None:
+            scalars["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.last_grad_norm is not None:
+            scalars["train/grad_norm"] = float(self.last_grad_norm)
+        if self.scaler.is_enabled():
+            scalars["train/loss_scale"] = self.scaler.get_scale()
+        scalars["train/skipped_steps"] = self.skipped_steps
+        elapsed = self.train_stats["time_s"] + time.perf_counter() - start
+        if elapsed > 0:
+            scalars["train/utterances_per_s"] = self.train_stats["utterances"] / elapsed
+        self.tensorboard.log_scalars(scalars, step=self.optimizer_step)
+
+    def _fit_valid(self, valid_set: DataLoader | None, epoch: int, enable: bool) -> None:
+        if valid_set is None:
+            return
+        avg_valid_loss = self._run_eval_loop(valid_set, Stage.VALID, epoch, enable)
+        self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)
+        self.step = 0
+
+    def _run_eval_loop(
+        self, loader: DataLoader, stage: Stage, epoch: int | None, enable: bool
+    ) -> float:
+        self.on_stage_start(stage, epoch)
+        self.modules.eval()
+        self.step = 0
+        avg_loss = 0.0
+        desc = f"epoch {epoch} {stage.name.lower()}" if epoch else stage.name.lower()
+        with torch.no_grad():
+            for batch in tqdm(loader, dynamic_ncols=True, disable=not enable, desc=desc):
+                if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
+                    break
+                self.step += 1
+                loss = self.evaluate_batch(batch, stage)
+                avg_loss = self.update_average(loss, avg_loss)
+        return avg_loss
+
+    def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
+        """Load the best checkpoint by ``max_key``/``min_key`` (else the latest) before testing."""
+        if self.checkpointer is not None:
+            self.checkpointer.recover_if_possible(
+                max_key=max_key, min_key=min_key, map_location=self.device
+            )
+
+    def evaluate(
+        self,
+        test_set: Any,
+        max_key: str | None = None,
+        min_key: str | None = None,
+        progressbar: bool | None = None,
+        test_loader_kwargs: Mapping[str, Any] | None = None,
+    ) -> float:
+        """Evaluate on ``test_set`` with the best checkpoint; returns the average test loss."""
+        if not isinstance(test_set, DataLoader):
+            test_set = self.make_dataloader(test_set, Stage.TEST, **(test_loader_kwargs or {}))
+        self.on_evaluate_start(max_key=max_key, min_key=min_key)
+        enable = (not self.run_opts.noprogressbar) if progressbar is None else progressbar
+        avg_test_loss = self._run_eval_loop(test_set, Stage.TEST, None, enable)
+        self.on_stage_end(Stage.TEST, avg_test_loss, None)
+        self.step = 0
+        return avg_test_loss
+
+    # ------------------------------------------------------------ checkpoints
+    def _maybe_save_intra_epoch(self) -> None:
+        if self._stop_signal is not None:
+            self._save_intra_epoch_ckpt()
+            name = signal.Signals(self._stop_signal).name
+            raise TrainingInterrupted(
+                f"Received {name}: saved a checkpoint at epoch "
+                f"{getattr(self._epoch_counter, 'current', '?')}, batch {self.step}. "
+                "Run the same command again to resume where it stopped."
+            )
+        if self.checkpointer is None:
+            return
+        by_steps = (
+            self.run_opts.ckpt_interval_steps > 0
+            and self.optimizer_step > 0
+            and self.optimizer_step % self.run_opts.ckpt_interval_steps == 0
+        )
+        by_time = (
+            self.run_opts.ckpt_interval_minutes > 0
+            and time.time() - self._last_ckpt_time >= self.run_opts.ckpt_interval_minutes * 60
+        )
+        if by_steps or by_time:
+            self._save_intra_epoch_ckpt()
+
+    def _save_intra_epoch_ckpt(self) -> None:
+        """Save a mid-epoch checkpoint, keeping only the newest mid-epoch one."""
+        if self.checkpointer is None:
+            return
+        self.checkpointer.save_and_keep_only(
+            meta={INTRA_EPOCH_FLAG: True},
+            end_of_epoch=False,
+            num_to_keep=1,
+            predicate=lambda ckpt: bool(ckpt.meta.get(INTRA_EPOCH_FLAG)),
+        )
+        self._last_ckpt_time = time.time()
+
+    def _stop_signals_caught(self) -> Any:
+        """Context in which SIGTERM/SIGINT request a checkpoint and a clean exit."""
+        brain = self
+
+        class _Catch:
+            def __enter__(self) -> None:
+                self.previous = {}
+                if threading.current_thread() is not threading.main_thread():
+                    return
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    self.previous[sig] = signal.signal(sig, self._handle)
+
+            @staticmethod
+            def _handle(signum: int, frame: Any) -> None:
+                if brain._stop_signal is not None:  # second signal: stop now
+                    raise KeyboardInterrupt
+                brain._stop_signal = signum
+                logger.warning("Received signal %d: checkpointing after this batch.", signum)
+
+            def __exit__(self, *exc: Any) -> None:
+                for sig, handler in self.previous.items():
+                    signal.signal(sig, handler)
+
+        return _Catch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loop position, counters and RNG states, saved with every checkpoint."""
+        state = {
+            "step": self._resume_step,
+            "optimizer_step": self.optimizer_step,
+            "skipped_steps": self.skipped_steps,
+            "avg_train_loss": self.avg_train_loss,
+            "precision": self.amp.name,
+            "train_stats": dict(self.train_stats),
+            "rng": {
+                "python": random.getstate(),
+                "torch": torch.get_rng_state(),
+            },
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` saved."""
+        self._resume_step = int(state["step"])
+        self.optimizer_step = int(state["optimizer_step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.avg_train_loss = float(state["avg_train_loss"])
+        self.train_stats = dict(state.get("train_stats", self.train_stats))
+        if state.get("precision") not in (None, self.amp.name):
+            logger.warning(
+                "Resuming a %s checkpoint with precision=%s.", state["precision"], self.amp.name
+            )
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            states = state["rng"]["cuda"][: torch.cuda.device_count()]
+            torch.cuda.set_rng_state_all([s.cpu() for s in states])
+
+    def peak_memory_mb(self) -> float:
+        """Peak memory of the run so far (GPU allocations on CUDA, process RSS on CPU)."""
+        return peak_memory_mb(self.device)

@@ -1,0 +1,315 @@
+"""Atomic, verified checkpoints of everything a run needs to continue exactly.
+
+A checkpoint is a folder ``CKPT+<time>+<seq>/`` holding ``state.pt`` (the state dicts of
+all registered recoverables) and ``meta.json`` (user metadata such as ``{"CER": 3.1}``, plus
+the size and SHA-256 of ``state.pt``). The folder is written under a temporary name and
+renamed into place, so a kill at any moment leaves either the old set of checkpoints or the
+new one, never a half-written checkpoint. On load the checksum is verified; a corrupt or
+truncated checkpoint is skipped with a warning naming it, and the previous good one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CKPT_PREFIX = "CKPT+"
+TMP_PREFIX = ".tmp-"
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+
+
+class Recoverable(Protocol):
+    """Anything with ``state_dict``/``load_state_dict`` (modules, optimizers, scalers...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or does not fit what is being restored."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint on disk."""
+
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def end_of_epoch(self) -> bool:
+        """Whether the checkpoint was saved at the end of an epoch (not mid-epoch)."""
+        return bool(self.meta.get("end_of_epoch", True))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _all_finite(state: Any) -> bool:
+    """Whether every floating-point tensor inside ``state`` (nested dicts/lists) is finite."""
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, Mapping):
+        return all(_all_finite(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return all(_all_finite(v) for v in state)
+    return True
+
+
+class Checkpointer:
+    """Saves and restores a set of named recoverables (SpeechBrain-style API).
+
+    Args:
+        checkpoints_dir: folder that holds the ``CKPT+*`` folders; created if missing.
+        recoverables: name -> object with ``state_dict``/``load_state_dict``.
+        allow_partial_load: tolerate recoverables missing from a checkpoint.
+    """
+
+    def __init__(
+        self,
+        checkpoints_dir: str | Path,
+        recoverables: Mapping[str, Recoverable] | None = None,
+        allow_partial_load: bool = False,
+    ) -> None:
+        self.checkpoints_dir = Path(checkpoints_dir)
+        self.recoverables: dict[str, Recoverable] = {}
+        self.allow_partial_load = allow_partial_load
+        self._seq = 0
+        if recoverables:
+            self.add_recoverables(recoverables)
+
+    def add_recoverable(self, name: str, obj: Recoverable) -> None:
+        """Register one object to save and restore under ``name``."""
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"Recoverable {name!r} has no state_dict/load_state_dict.")
+        self.recoverables[name] = obj
+
+    def add_recoverables(self, recoverables: Mapping[str, Recoverable]) -> None:
+        """Register several objects at once."""
+        for name, obj in recoverables.items():
+            self.add_recoverable(name, obj)
+
+    # ------------------------------------------------------------------ saving
+    def save_checkpoint(
+        self, meta: Mapping[str, Any] | None = None, end_of_epoch: bool = True
+    ) -> Checkpoint:
+        """Write a new checkpoint atomically and return it.
+
+        Raises:
+            CheckpointError: if a floating-point tensor is not finite (a checkpoint never
+                holds NaN/Inf weights) or the folder cannot be written (e.g. disk full);
+                existing checkpoints are left untouched.
+        """
+        state = {name: obj.state_dict() for name, obj in self.recoverables.items()}
+        for name in self.recoverables:
+            if not _all_finite(state[name]):
+                raise CheckpointError(
+                    f"Refusing to save a checkpoint: '{name}' holds non-finite values "
+                    "(NaN/Inf). The previous checkpoints are kept; lower the learning rate "
+                    "or use bf16 instead of fp16."
+                )
+        try:
+            self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CheckpointError(
+                f"Cannot create checkpoint folder {self.checkpoints_dir}: {err}. "
+                "Point the run at a writable folder (hydra.run.dir=PATH)."
+            ) from err
+        self._seq += 1
+        name = f"{CKPT_PREFIX}{time.strftime('%Y-%m-%d+%H-%M-%S')}+{time.time_ns() % 10**9:09d}"
+        tmp_dir = self.checkpoints_dir / f"{TMP_PREFIX}{name}"
+        final_dir = self.checkpoints_dir / name
+        try:
+            tmp_dir.mkdir()
+            state_path = tmp_dir / STATE_FILE
+            with open(state_path, "wb") as file:
+                torch.save({"format": FORMAT_VERSION, "state": state}, file)
+                file.flush()
+                os.fsync(file.fileno())
+            full_meta = {
+                **dict(meta or {}),
+                "end_of_epoch": end_of_epoch,
+                "unixtime": time.time(),
+                "state_sha256": _sha256(state_path),
+                "state_bytes": state_path.stat().st_size,
+                "recoverables": sorted(state),
+            }
+            with open(tmp_dir / META_FILE, "w") as file:
+                json.dump(full_meta, file, indent=2, default=str)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp_dir, final_dir)
+            _fsync_dir(self.checkpoints_dir)
+        except OSError as err:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"Could not write checkpoint {final_dir}: {err}. Earlier checkpoints are "
+                "intact; free disk space or choose another output folder."
+            ) from err
+        logger.info("Saved checkpoint %s", final_dir)
+        return Checkpoint(final_dir, full_meta)
+
+    def save_and_keep_only(
+        self,
+        meta: Mapping[str, Any] | None = None,
+        end_of_epoch: bool = True,
+        num_to_keep: int = 1,
+        min_keys: Iterable[str] | None = None,
+        max_keys: Iterable[str] | None = None,
+        predicate: Callable[[Checkpoint], bool] | None = None,
+    ) -> Checkpoint:
+        """Save, then delete all but the ``num_to_keep`` most recent and the best ones.
+
+        The best checkpoint for each key in ``min_keys`` (lowest value) and ``max_keys``
+        (highest value) is always kept, whatever its age. With ``predicate``, only the
+        checkpoints it accepts are candidates for deletion.
+        """
+        ckpt = self.save_checkpoint(meta=meta, end_of_epoch=end_of_epoch)
+        self.keep_only(
+            num_to_keep=num_to_keep, min_keys=min_keys, max_keys=max_keys, predicate=predicate
+        )
+        return ckpt
+
+    def keep_only(
+        self,
+        num_to_keep: int = 1,
+        min_keys: Iterable[str] | None = None,
+        max_keys: Iterable[str] | None = None,
+        predicate: Callable[[Checkpoint], bool] | None = None,
+    ) -> None:
+        """Delete checkpoints that are neither among the most recent nor the best."""
+        ckpts = self.list_checkpoints(verify=False)
+        if predicate is not None:
+            ckpts = [c for c in ckpts if predicate(c)]
+        keep = {c.path for c in ckpts[-num_to_keep:]} if num_to_keep > 0 else set()
+        for key in min_keys or ():
+            best = self._best(ckpts, key, minimize=True)
+            if best is not None:
+                keep.add(best.path)
+        for key in max_keys or ():
+            best = self._best(ckpts, key, minimize=False)
+            if best is not None:
+                keep.add(best.path)
+        for ckpt in ckpts:
+            if ckpt.path not in keep:
+                shutil.rmtree(ckpt.path, ignore_errors=True)
+
+    # ---------------------------------------------------------------- finding
+    def list_checkpoints(self, verify: bool = True) -> list[Checkpoint]:
+        """All readable checkpoints, oldest first; corrupt ones are skipped with a warning."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = []
+        for path in sorted(self.checkpoints_dir.glob(f"{CKPT_PREFIX}*")):
+            meta = self._read_meta(path, verify=verify)
+            if meta is not None:
+                found.append(Checkpoint(path, meta))
+        found.sort(key=lambda c: (c.meta.get("unixtime", 0.0), c.path.name))
+        return found
+
+    def _read_meta(self, path: Path, verify: bool) -> dict[str, Any] | None:
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+            state_path = path / STATE_FILE
+            size = state_path.stat().st_size
+            if size != meta["state_bytes"]:
+                raise ValueError(f"size {size} != recorded {meta['state_bytes']}")
+            if verify and _sha256(state_path) != meta["state_sha256"]:
+                raise ValueError("checksum mismatch")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            logger.warning("Skipping unreadable checkpoint %s (%s)", path, err)
+            return None
+        return meta
+
+    @staticmethod
+    def _best(ckpts: list[Checkpoint], key: str, minimize: bool) -> Checkpoint | None:
+        scored = [c for c in ckpts if isinstance(c.meta.get(key), int | float)]
+        if not scored:
+            return None
+        pick = min if minimize else max
+        return pick(scored, key=lambda c: c.meta[key])
+
+    def find_checkpoint(
+        self, min_key: str | None = None, max_key: str | None = None
+    ) -> Checkpoint | None:
+        """The best checkpoint by ``min_key``/``max_key``, else the most recent one."""
+        ckpts = self.list_checkpoints()
+        if not ckpts:
+            return None
+        if min_key is not None:
+            return self._best(ckpts, min_key, minimize=True) or ckpts[-1]
+        if max_key is not None:
+            return self._best(ckpts, max_key, minimize=False) or ckpts[-1]
+        return ckpts[-1]
+
+    # ---------------------------------------------------------------- loading
+    def load_checkpoint(self, ckpt: Checkpoint, map_location: Any = "cpu") -> None:
+        """Restore every registered recoverable from ``ckpt``."""
+        try:
+            payload = torch.load(
+                ckpt.path / STATE_FILE, map_location=map_location, weights_only=False
+            )
+        except Exception as err:  # noqa: BLE001 - any unpickling error means unreadable
+            raise CheckpointError(f"Cannot read checkpoint {ckpt.path}: {err}") from err
+        state = payload["state"]
+        missing = sorted(set(self.recoverables) - set(state))
+        if missing and not self.allow_partial_load:
+            raise CheckpointError(
+                f"Checkpoint {ckpt.path} has no state for {missing}; it was written by a "
+                "different recipe. Start a fresh run folder or point at the right checkpoint."
+            )
+        for name, obj in self.recoverables.items():
+            if name not in state:
+                continue
+            try:
+                obj.load_state_dict(state[name])
+            except (RuntimeError, ValueError, KeyError) as err:
+                detail = " ".join(str(err).split())[:300]
+                raise CheckpointError(
+                    f"Checkpoint {ckpt.path} does not fit '{name}': it was written by a "
+                    "different model or configuration; use a fresh run folder or the matching "
+                    f"config. ({detail})"
+                ) from err
+        logger.info("Loaded checkpoint %s", ckpt.path)
+
+    def recover_if_possible(
+        self, min_key: str | None = None, max_key: str | None = None, map_location: Any = "cpu"
+    ) -> Checkpoint | None:
+        """Load the best (or latest) checkpoint if there is one; return it, else None."""
+        ckpt = self.find_checkpoint(min_key=min_key, max_key=max_key)
+        if ckpt is not None:
+            self.load_checkpoint(ckpt, map_location=map_location)
+        return ckpt

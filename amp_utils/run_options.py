@@ -1,0 +1,69 @@
+"""Run options of the training loop, as a typed dataclass (SpeechBrain's ``run_opts``).
+
+Recipes fill them from the Hydra ``trainer``/``precision``/``device`` nodes; plain dicts work
+too. Unknown keys fail early with a message that lists the valid ones, so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunOptions:
+    """Options that control the loop, with the defaults a run gets when a key is absent."""
+
+    device: str = "cpu"  # "auto", "cpu", "cuda" or "cuda:N"
+    precision: str = "fp32"  # training autocast precision: fp32, fp16 or bf16
+    eval_precision: str = "fp32"  # validation/test autocast precision
+    max_grad_norm: float = 5.0  # clip the global gradient norm (all param groups); <= 0: off
+    grad_accumulation_factor: int = 1  # batches per optimizer step
+    skip_nonfinite_grads: bool = False  # skip (do not apply) steps whose gradients are not finite
+    nonfinite_patience: int = 3  # consecutive non-finite losses tolerated before stopping
+    noprogressbar: bool = False  # hide the tqdm progress bars
+    ckpt_interval_minutes: float = 0.0  # intra-epoch checkpoint every N minutes (0: off)
+    ckpt_interval_steps: int = 0  # intra-epoch checkpoint every N optimizer steps (0: off)
+    debug: bool = False  # run only a few batches and epochs
+    debug_batches: int = 2  # batches per stage in debug mode
+    debug_epochs: int = 2  # epochs in debug mode
+    compile: bool = False  # wrap modules with torch.compile
+    compile_module_keys: list[str] | None = None  # modules to compile (None: all)
+    compile_mode: str = "default"  # torch.compile mode
+    log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
+    allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
+    seed: int = 1234  # seed of the data loader's own generator
+    extra: dict[str, Any] = field(default_factory=dict)  # recipe-specific options
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | RunOptions | None) -> RunOptions:
+        """Build from a mapping, rejecting unknown keys with a message naming the valid ones."""
+        if options is None:
+            return cls()
+        if isinstance(options, RunOptions):
+            return dataclasses.replace(options)
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"Unknown run option(s) {unknown}; valid options are: {', '.join(valid)}."
+            )
+        opts = cls(**dict(options))
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        """Check value ranges; raises ValueError naming the option and the fix."""
+        if self.grad_accumulation_factor < 1:
+            raise ValueError(
+                f"grad_accumulation_factor must be >= 1, got {self.grad_accumulation_factor}."
+            )
+        if self.nonfinite_patience < 0:
+            raise ValueError(f"nonfinite_patience must be >= 0, got {self.nonfinite_patience}.")
+        if self.debug and (self.debug_batches < 1 or self.debug_epochs < 1):
+            raise ValueError("debug_batches and debug_epochs must be >= 1 in debug mode.")
+        if self.log_interval_steps < 1:
+            raise ValueError(f"log_interval_steps must be >= 1, got {self.log_interval_steps}.")

@@ -1,0 +1,114 @@
+"""AMPConfig, TorchAutocast and fwd_default_precision: SpeechBrain's API and behaviour."""
+
+import pytest
+import torch
+
+from amp_utils import AMPConfig, TorchAutocast, fwd_default_precision
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        (None, torch.float32),
+        ("fp32", torch.float32),
+        ("fp16", torch.float16),
+        ("bf16", torch.bfloat16),
+    ],
+)
+def test_ampconfig_from_name(name, dtype):
+    assert AMPConfig.from_name(name).dtype == dtype
+
+
+@pytest.mark.parametrize("bad", ["fp8", "float16", "BF16", ""])
+def test_ampconfig_rejects_unknown_names_listing_valid_ones(bad):
+    with pytest.raises(ValueError) as err:
+        AMPConfig.from_name(bad)
+    for valid in ("fp32", "fp16", "bf16"):
+        assert valid in str(err.value)
+
+
+def test_torch_autocast_is_noop_for_fp32():
+    layer = torch.nn.Linear(4, 4)
+    with TorchAutocast(device_type="cpu", dtype=torch.float32) as ctx:
+        assert not torch.is_autocast_enabled("cpu")
+        assert layer(torch.randn(2, 4)).dtype == torch.float32
+    assert ctx is None
+    with TorchAutocast(device_type="cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_autocast_lowers_matmul_precision_on_cpu(dtype):
+    layer = torch.nn.Linear(4, 4)
+    with TorchAutocast(device_type="cpu", dtype=dtype):
+        assert torch.is_autocast_enabled("cpu")
+        assert layer(torch.randn(2, 4)).dtype == dtype
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_torch_autocast_reraises_with_dtype_and_device(monkeypatch):
+    ctx = TorchAutocast(device_type="cpu", dtype=torch.bfloat16)
+
+    def broken_enter():
+        raise RuntimeError("unsupported")
+
+    monkeypatch.setattr(ctx.context, "__enter__", broken_enter)
+    with pytest.raises(RuntimeError, match="dtype=torch.bfloat16.*device=cpu") as err:
+        ctx.__enter__()
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+class _Doubler(torch.nn.Module):
+    @fwd_default_precision
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Doc kept."""
+        return x @ x.transpose(-1, -2)
+
+
+class _Float64(torch.nn.Module):
+    @fwd_default_precision(cast_inputs=torch.float64)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fwd_default_precision_runs_fp32_under_cpu_autocast(dtype):
+    x = torch.randn(3, 3, dtype=dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        assert _Doubler()(x).dtype == torch.float32
+        assert _Doubler()(x, force_allow_autocast=True).dtype == dtype
+
+
+def test_fwd_default_precision_custom_cast_and_metadata():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _Float64()(torch.randn(2)).dtype == torch.float64
+    assert _Doubler.forward.__name__ == "forward"
+    assert _Doubler.forward.__doc__ == "Doc kept."
+
+
+def test_fwd_default_precision_changes_nothing_outside_autocast():
+    x = torch.randn(3, 3, dtype=torch.bfloat16)
+    assert _Doubler()(x).dtype == torch.bfloat16
+    assert _Float64()(torch.randn(2)).dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_fwd_default_precision_on_cuda(cuda_device):
+    x = torch.randn(3, 3, device=cuda_device)
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert _Doubler()(x).dtype == torch.float32
+        assert _Doubler()(x, force_allow_autocast=True).dtype == torch.float16
+
+
+def test_no_deprecated_amp_spellings_in_code():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    needle = "torch.cuda" + ".amp"
+    offenders = [
+        str(p)
+        for folder in ("amp_utils", "recipes", "data")
+        for p in (root / folder).rglob("*.py")
+        if needle in p.read_text()
+    ]
+    assert offenders == []

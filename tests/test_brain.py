@@ -1,0 +1,448 @@
+"""The Brain loop: precision, scaling, clipping, accumulation, non-finite losses, resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from amp_utils import (
+    Brain,
+    Checkpointer,
+    EpochCounter,
+    NonFiniteLossError,
+    Stage,
+    TrainingInterrupted,
+)
+from amp_utils.precision import PrecisionNotSupportedError
+
+
+class RegressionBrain(Brain):
+    """y = f(x) regression; records output dtypes seen per stage."""
+
+    def compute_forward(self, batch, stage):
+        x, _ = batch
+        x = x.to(self.device)
+        out = self.modules.model(x)
+        self.seen_dtypes = getattr(self, "seen_dtypes", {})
+        self.seen_dtypes[stage] = out.dtype
+        return out
+
+    def compute_objectives(self, predictions, batch, stage):
+        _, y = batch
+        return torch.nn.functional.mse_loss(predictions.float(), y.to(self.device))
+
+
+def make_model(dropout: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1)
+    )
+
+
+def make_data(n: int = 32) -> TensorDataset:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=gen)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+def run_opts(**kw):
+    return {"device": "cpu", "noprogressbar": True, **kw}
+
+
+def sgd(lr=0.05):
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def test_speechbrain_docstring_example_runs_as_written():
+    from torch.optim import SGD
+
+    class SimpleBrain(Brain):
+        def compute_forward(self, batch, stage):
+            return self.modules.model(batch[0])
+
+        def compute_objectives(self, predictions, batch, stage):
+            return torch.nn.functional.l1_loss(predictions, batch[0])
+
+    model = torch.nn.Linear(in_features=10, out_features=10)
+    brain = SimpleBrain({"model": model}, opt_class=lambda x: SGD(x, 0.1))
+    brain.fit(range(1), ([torch.rand(10, 10), torch.rand(10, 10)],))
+    assert brain.optimizer_step == 1
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)],
+)
+def test_forward_dtype_follows_precision_and_eval_precision(precision, dtype):
+    brain = RegressionBrain(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(precision=precision, eval_precision="fp32"),
+    )
+    data = DataLoader(make_data(), batch_size=8)
+    brain.fit(range(1), data, valid_set=data)
+    assert brain.seen_dtypes[Stage.TRAIN] == dtype
+    assert brain.seen_dtypes[Stage.VALID] == torch.float32
+    assert brain.scaler.is_enabled() == (precision == "fp16")
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_hparams_have_dot_access_and_unknown_run_option_fails():
+    brain = RegressionBrain({"model": make_model()}, hparams={"lr": 0.1}, run_opts=run_opts())
+    assert brain.hparams.lr == 0.1
+    with pytest.raises(ValueError, match="valid options are"):
+        RegressionBrain({"model": make_model()}, run_opts={"precison": "bf16"})
+
+
+@pytest.mark.parametrize("bad", ["fp8", "half"])
+def test_unknown_precision_fails_at_construction(bad):
+    with pytest.raises(ValueError, match="fp32.*fp16.*bf16"):
+        RegressionBrain({"model": make_model()}, run_opts=run_opts(precision=bad))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_gpu_fails_clearly():
+    with pytest.raises(RuntimeError, match="no CUDA GPU.*device=cpu"):
+        RegressionBrain({"model": make_model()}, run_opts=run_opts(device="cuda"))
+
+
+def test_bf16_on_gpu_without_bf16_fails_clearly(monkeypatch):
+    from amp_utils.autocast import AMPConfig
+    from amp_utils.precision import check_precision_supported
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    with pytest.raises(PrecisionNotSupportedError, match="V100.*precision=fp16"):
+        check_precision_supported(AMPConfig.from_name("bf16"), torch.device("cuda"))
+
+
+class ConstantGradBrain(Brain):
+    """Loss = 1000 * sum of all parameters: every gradient element is 1000."""
+
+    def compute_forward(self, batch, stage):
+        return sum(p.sum() for p in self.modules.parameters())
+
+    def compute_objectives(self, predictions, batch, stage):
+        return 1000.0 * predictions
+
+
+def test_clipping_covers_all_parameter_groups():
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    before = torch.cat([p.detach().flatten().clone() for p in [*a.parameters(), *b.parameters()]])
+
+    def two_groups(_params):
+        return torch.optim.SGD([{"params": a.parameters()}, {"params": b.parameters()}], lr=1.0)
+
+    brain = ConstantGradBrain({"a": a, "b": b}, two_groups, run_opts=run_opts(max_grad_norm=1.0))
+    brain.fit(range(1), [0])
+    after = torch.cat([p.detach().flatten() for p in [*a.parameters(), *b.parameters()]])
+    # A single SGD step of lr 1 moves the weights by exactly the clipped gradient.
+    assert torch.linalg.vector_norm(after - before).item() == pytest.approx(1.0, rel=1e-4)
+    assert brain.last_grad_norm.item() == pytest.approx(1000.0 * (24**0.5), rel=1e-4)
+
+
+def test_clipping_disabled_with_nonpositive_norm():
+    a = torch.nn.Linear(3, 3)
+    before = torch.cat([p.detach().flatten().clone() for p in a.parameters()])
+    brain = ConstantGradBrain({"a": a}, sgd(lr=1.0), run_opts=run_opts(max_grad_norm=0))
+    brain.fit(range(1), [0])
+    after = torch.cat([p.detach().flatten() for p in a.parameters()])
+    assert torch.allclose(before - after, torch.full_like(after, 1000.0))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_fused_adamw_with_clipping_under_every_precision(precision):
+    brain = RegressionBrain(
+        {"model": make_model()},
+        lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+        run_opts=run_opts(precision=precision, max_grad_norm=1.0),
+    )
+    brain.fit(range(2), DataLoader(make_data(), batch_size=8))
+    assert brain.optimizer_step + brain.skipped_steps == 8
+    assert brain.optimizer_step >= 6
+
+
+def test_gradient_accumulation_matches_full_batch():
+    data = make_data(16)
+    full = RegressionBrain({"model": make_model()}, sgd(0.1), run_opts=run_opts())
+    full.fit(range(1), DataLoader(data, batch_size=16))
+    accum = RegressionBrain(
+        {"model": make_model()}, sgd(0.1), run_opts=run_opts(grad_accumulation_factor=2)
+    )
+    accum.fit(range(1), DataLoader(data, batch_size=8))
+    assert accum.optimizer_step == full.optimizer_step == 1
+    for p, q in zip(full.modules.parameters(), accum.modules.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class InjectedLossBrain(RegressionBrain):
+    """Returns NaN (or a huge loss) on the batches listed in ``hparams.bad_steps``."""
+
+    def compute_objectives(self, predictions, batch, stage):
+        loss = super().compute_objectives(predictions, batch, stage)
+        if stage == Stage.TRAIN and self.step in self.hparams.bad_steps:
+            return loss * self.hparams.factor
+        return loss
+
+
+def test_nonfinite_losses_are_skipped_then_stop_after_patience():
+    data = DataLoader(make_data(64), batch_size=4)
+    tolerant = InjectedLossBrain(
+        {"model": make_model()},
+        sgd(),
+        hparams={"bad_steps": {2, 3, 5}, "factor": float("nan")},
+        run_opts=run_opts(nonfinite_patience=3),
+    )
+    tolerant.fit(range(1), data)
+    assert tolerant.optimizer_step == 16 - 3
+    assert all(torch.isfinite(p).all() for p in tolerant.modules.parameters())
+
+    stopping = InjectedLossBrain(
+        {"model": make_model()},
+        sgd(),
+        hparams={"bad_steps": set(range(1, 100)), "factor": float("inf")},
+        run_opts=run_opts(nonfinite_patience=3),
+    )
+    with pytest.raises(NonFiniteLossError, match="4 consecutive.*bf16 instead of fp16"):
+        stopping.fit(range(1), data)
+    assert stopping.step == 4
+
+
+def test_fp16_overflow_skips_step_and_not_the_scheduler():
+    brain = InjectedLossBrain(
+        {"model": make_model()},
+        sgd(),
+        hparams={
+            "bad_steps": {1},
+            "factor": 1e6,  # finite fp32 loss whose scaled fp16 gradients overflow
+            "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+        },
+        run_opts=run_opts(precision="fp16"),
+    )
+    brain.fit(range(1), DataLoader(make_data(16), batch_size=4))
+    assert brain.skipped_steps >= 1
+    assert brain.optimizer_step >= 1
+    assert brain.optimizer_step + brain.skipped_steps == 4
+    assert brain.lr_scheduler.last_epoch == brain.optimizer_step  # only applied steps count
+    assert brain.scaler.get_scale() == 2.0**16 * 0.5**brain.skipped_steps
+    assert all(torch.isfinite(p).all() for p in brain.modules.parameters())
+
+
+def test_skip_nonfinite_grads_for_bf16():
+    class NanGradBrain(RegressionBrain):
+        def fit_batch(self, batch):
+            loss = super().fit_batch(batch)
+            return loss
+
+        def compute_objectives(self, predictions, batch, stage):
+            loss = super().compute_objectives(predictions, batch, stage)
+            if self.step == 1:
+                # finite loss, non-finite gradient
+                return loss + 0 * torch.sqrt(-torch.ones((), requires_grad=True)).sum()
+            return loss
+
+    brain = NanGradBrain(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(skip_nonfinite_grads=True, max_grad_norm=0),
+    )
+    brain.fit(range(1), DataLoader(make_data(16), batch_size=4))
+    assert brain.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in brain.modules.parameters())
+
+
+def test_debug_mode_limits_batches_and_epochs():
+    class Counting(RegressionBrain):
+        def on_stage_start(self, stage, epoch=None):
+            self.calls = getattr(self, "calls", [])
+            self.calls.append((stage, epoch))
+
+    brain = Counting(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(debug=True, debug_batches=2, debug_epochs=2),
+    )
+    data = DataLoader(make_data(64), batch_size=4)
+    brain.fit(range(10), data, valid_set=data)
+    assert brain.optimizer_step == 4
+    assert brain.calls == [(Stage.TRAIN, 0), (Stage.VALID, 0), (Stage.TRAIN, 1), (Stage.VALID, 1)]
+    assert brain.evaluate(data) > 0
+    assert brain.step == 0
+
+
+def test_compile_wraps_selected_modules():
+    brain = RegressionBrain(
+        {"model": make_model(), "other": torch.nn.Linear(2, 2)},
+        sgd(),
+        run_opts=run_opts(compile=True, compile_module_keys=["model"]),
+    )
+    brain._compile()
+    assert isinstance(brain.modules.model, torch._dynamo.eval_frame.OptimizedModule)
+    assert not isinstance(brain.modules.other, torch._dynamo.eval_frame.OptimizedModule)
+
+
+# ----------------------------------------------------------------- checkpoints
+
+
+class ShuffledRegression(RegressionBrain):
+    """Dropout + shuffled loader: resume must restore RNG and loader position exactly."""
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        if stage == Stage.VALID and self.checkpointer is not None:
+            self.checkpointer.save_and_keep_only(meta={"loss": stage_loss}, min_keys=["loss"])
+
+
+def shuffled_loader(brain_seed: int = 3) -> DataLoader:
+    return DataLoader(
+        make_data(48),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(brain_seed),
+    )
+
+
+class StopAfter(Exception):
+    pass
+
+
+def train_shuffled(ckpt_dir, epochs=3, stop_at=None, **opts):
+    class Interrupted(ShuffledRegression):
+        """Dies at the start of batch ``stop_at`` (as a kill would); saves every step."""
+
+        def on_fit_batch_start(self, batch, should_step):
+            if stop_at is not None and (self._epoch_counter.current, self.step) == stop_at:
+                raise StopAfter
+
+    torch.manual_seed(123)
+    brain = Interrupted(
+        {"model": make_model(dropout=0.3)},
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+        hparams={"lr_scheduler": lambda o: torch.optim.lr_scheduler.StepLR(o, 5, gamma=0.9)},
+        run_opts=run_opts(ckpt_interval_steps=1, **opts),
+        checkpointer=Checkpointer(ckpt_dir),
+    )
+    # The loader is rebuilt per process, as after a restart; its sampler is seeded per epoch.
+    loader = shuffled_loader()
+    loader.sampler.generator = None
+
+    class EpochSeeded(torch.utils.data.Sampler):
+        def __init__(self, n):
+            self.n, self.epoch = n, 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def __iter__(self):
+            return iter(
+                torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+            )
+
+        def __len__(self):
+            return self.n
+
+    loader = DataLoader(make_data(48), batch_size=4, sampler=EpochSeeded(48))
+    brain.fit(EpochCounter(epochs), loader, valid_set=DataLoader(make_data(8), batch_size=4))
+    return brain
+
+
+def params_of(brain):
+    return [p.detach().clone() for p in brain.modules.parameters()]
+
+
+def test_resume_mid_epoch_gives_identical_weights(tmp_path):
+    reference = params_of(train_shuffled(tmp_path / "ref"))
+    with pytest.raises(StopAfter):
+        train_shuffled(tmp_path / "run", stop_at=(2, 5))
+    with pytest.raises(StopAfter):
+        train_shuffled(tmp_path / "run", stop_at=(3, 1))
+    resumed = train_shuffled(tmp_path / "run")
+    assert resumed.optimizer_step == 36
+    for p, q in zip(reference, params_of(resumed), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_resume_at_epoch_end_gives_identical_weights(tmp_path):
+    reference = params_of(train_shuffled(tmp_path / "ref", epochs=3))
+    train_shuffled(tmp_path / "run", epochs=2)
+    resumed = train_shuffled(tmp_path / "run", epochs=3)
+    for p, q in zip(reference, params_of(resumed), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_checkpoint_round_trip_restores_everything(tmp_path):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    loss = model(torch.randn(4, 8)).sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    ckpt = Checkpointer(tmp_path, {"model": model, "opt": opt, "scaler": scaler})
+    torch.manual_seed(7)
+    saved = ckpt.save_checkpoint(meta={"CER": 3.1})
+    expected_rand = torch.rand(3)
+
+    model2 = torch.nn.Sequential(
+        *[type(m)(*()) if isinstance(m, torch.nn.ReLU) else m for m in make_model()]
+    )
+    torch.manual_seed(99)
+    for p in model2.parameters():
+        torch.nn.init.normal_(p)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    scaler2 = torch.amp.GradScaler("cpu")
+    restore = Checkpointer(tmp_path, {"model": model2, "opt": opt2, "scaler": scaler2})
+    found = restore.recover_if_possible()
+    assert found.path == saved.path and found.meta["CER"] == 3.1
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert scaler2.get_scale() == scaler.get_scale()
+    assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    del expected_rand
+
+
+def test_brain_checkpoint_restores_rng(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts(), checkpointer=ckpt)
+    torch.manual_seed(5)
+    ckpt.save_checkpoint()
+    expected = torch.rand(3)
+    torch.manual_seed(6)
+    ckpt.recover_if_possible()
+    assert torch.equal(torch.rand(3), expected)
+    assert brain.optimizer_step == 0
+
+
+def test_evaluate_loads_best_checkpoint(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    model = make_model()
+    brain = RegressionBrain({"model": model}, sgd(), run_opts=run_opts(), checkpointer=ckpt)
+    values = {}
+    for i, cer in enumerate([5.0, 1.0, 3.0]):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(i))
+        values[cer] = i
+        ckpt.save_and_keep_only(meta={"CER": cer}, num_to_keep=1, min_keys=["CER"])
+    kept = sorted(c.meta["CER"] for c in ckpt.list_checkpoints())
+    assert kept == [1.0, 3.0]  # best + most recent
+    brain.evaluate(make_data(8), min_key="CER", test_loader_kwargs={"batch_size": 4})
+    assert all(torch.all(p == values[1.0]) for p in model.parameters())
+
+
+def test_sigterm_saves_checkpoint_and_exits_with_resume_hint(tmp_path):
+    class Preempted(ShuffledRegression):
+        def on_fit_batch_end(self, batch, outputs, loss, should_step):
+            if self.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    ckpt = Checkpointer(tmp_path)
+    brain = Preempted({"model": make_model()}, sgd(), run_opts=run_opts(), checkpointer=ckpt)
+    with pytest.raises(TrainingInterrupted, match="Run the same command again"):
+        brain.fit(EpochCounter(2), DataLoader(make_data(32), batch_size=4))
+    [saved] = ckpt.list_checkpoints()
+    assert not saved.end_of_epoch
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -1,0 +1,113 @@
+"""Checkpointer: atomic saves, verification, fallback, retention, clear errors."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from amp_utils import Checkpointer, CheckpointError, EpochCounter
+
+
+def linear(value: float) -> torch.nn.Linear:
+    layer = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.fill_(value)
+    return layer
+
+
+def saved_pair(tmp_path):
+    model = linear(1.0)
+    ckpt = Checkpointer(tmp_path, {"model": model})
+    first = ckpt.save_checkpoint(meta={"epoch": 1})
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    second = ckpt.save_checkpoint(meta={"epoch": 2})
+    return first, second
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "zero_bytes", "truncate", "no_meta"])
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, damage, caplog):
+    first, second = saved_pair(tmp_path)
+    state = second.path / "state.pt"
+    data = bytearray(state.read_bytes())
+    if damage == "bitflip":
+        data[len(data) // 2] ^= 0x01
+        state.write_bytes(bytes(data))
+    elif damage == "zero_bytes":
+        state.write_bytes(b"")
+    elif damage == "truncate":
+        state.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        (second.path / "meta.json").unlink()
+    target = linear(0.0)
+    found = Checkpointer(tmp_path, {"model": target}).recover_if_possible()
+    assert found.path == first.path
+    assert torch.all(target.weight == 1.0)
+    assert second.path.name in caplog.text
+
+
+def test_leftover_temporary_folder_is_ignored(tmp_path):
+    first, _ = saved_pair(tmp_path)
+    (tmp_path / ".tmp-CKPT+half-written").mkdir()
+    ckpts = Checkpointer(tmp_path).list_checkpoints()
+    assert len(ckpts) == 2 and ckpts[0].path == first.path
+
+
+def test_disk_full_during_save_keeps_previous_checkpoints(tmp_path, monkeypatch):
+    first, second = saved_pair(tmp_path)
+    ckpt = Checkpointer(tmp_path, {"model": linear(3.0)})
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="No space left.*intact"):
+        ckpt.save_checkpoint()
+    assert [c.path for c in ckpt.list_checkpoints()] == [first.path, second.path]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_refuses_to_save_nonfinite_weights(tmp_path):
+    model = linear(float("nan"))
+    with pytest.raises(CheckpointError, match="non-finite"):
+        Checkpointer(tmp_path, {"model": model}).save_checkpoint()
+    assert not list(tmp_path.glob("CKPT+*"))
+
+
+def test_checkpoint_from_another_model_fails_clearly(tmp_path):
+    Checkpointer(tmp_path, {"model": torch.nn.Linear(2, 2)}).save_checkpoint()
+    other = Checkpointer(tmp_path, {"model": torch.nn.Linear(3, 5)})
+    with pytest.raises(CheckpointError, match="does not fit 'model'.*different model"):
+        other.recover_if_possible()
+    missing = Checkpointer(tmp_path, {"model": torch.nn.Linear(2, 2), "extra": linear(1.0)})
+    with pytest.raises(CheckpointError, match="no state for \\['extra'\\]"):
+        missing.recover_if_possible()
+
+
+def test_unwritable_folder_fails_clearly(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match="Cannot create checkpoint folder"):
+        Checkpointer(blocker / "ckpts", {"m": linear(1.0)}).save_checkpoint()
+
+
+def test_keep_recent_and_best(tmp_path):
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    for acc in [50.0, 90.0, 70.0, 60.0]:
+        ckpt.save_and_keep_only(meta={"acc": acc}, num_to_keep=2, max_keys=["acc"])
+    assert sorted(c.meta["acc"] for c in ckpt.list_checkpoints()) == [60.0, 70.0, 90.0]
+    assert ckpt.find_checkpoint(max_key="acc").meta["acc"] == 90.0
+    assert ckpt.find_checkpoint().meta["acc"] == 60.0
+
+
+def test_epoch_counter_round_trip():
+    counter = EpochCounter(5)
+    assert list(counter)[:2] == [1, 2] and counter.current == 5
+    other = EpochCounter(7)
+    other.load_state_dict({"current": 3})
+    assert list(other) == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="trainer.epochs"):
+        EpochCounter(0)
