@@ -510,11 +510,19 @@ class Brain:
         return avg_loss
 
     def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
-        """Load the best checkpoint by ``max_key``/``min_key`` (else the latest) before testing."""
-        if self.checkpointer is not None:
-            self.checkpointer.recover_if_possible(
-                max_key=max_key, min_key=min_key, map_location=self.device
-            )
+        """Load the best checkpoint by ``max_key``/``min_key`` (else the latest) before testing.
+
+        The run's own counters (steps, throughput) are kept: the best checkpoint may be
+        older than the end of training.
+        """
+        if self.checkpointer is None:
+            return
+        counters = (self.optimizer_step, self.skipped_steps, dict(self.train_stats))
+        self.checkpointer.recover_if_possible(
+            max_key=max_key, min_key=min_key, map_location=self.device
+        )
+        self.optimizer_step, self.skipped_steps, self.train_stats = counters
+        self._resume_step = 0
 
     def evaluate(
         self,

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from amp_utils.atomic import fsync_directory
+
 logger = logging.getLogger(__name__)
 
 CKPT_PREFIX = "CKPT+"
@@ -63,19 +65,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: file.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _all_finite(state: Any) -> bool:
@@ -172,7 +161,7 @@ class Checkpointer:
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(tmp_dir, final_dir)
-            _fsync_dir(self.checkpoints_dir)
+            fsync_directory(self.checkpoints_dir)
         except OSError as err:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise CheckpointError(

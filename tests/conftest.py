@@ -1,4 +1,8 @@
-"""Shared fixtures: where the real FSDD copy lives, and the CUDA skip."""
+"""Shared fixtures: the real FSDD copy (never downloaded), composed configs, CUDA skips.
+
+FSDD is found through the environment variable FSDD_ROOT, else at
+``<repo>/../shared/datasets/fsdd`` (CI clones the repo with ``shared/`` beside it).
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,30 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.fsdd import find_fsdd_recordings
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def fsdd_path() -> Path:
-    """FSDD root for tests: $FSDD_ROOT, else ../shared/datasets/fsdd beside the repo."""
-    return Path(os.environ.get("FSDD_ROOT", REPO_ROOT.parent / "shared" / "datasets" / "fsdd"))
+DEFAULT_FSDD_ROOT = REPO_ROOT / ".." / "shared" / "datasets" / "fsdd"
 
 
 @pytest.fixture(scope="session")
 def fsdd_root() -> Path:
-    root = fsdd_path()
-    if not (root / "recordings").is_dir() and not root.glob("*.wav"):
-        pytest.skip(f"FSDD not found at {root}; set FSDD_ROOT")
+    """Folder holding FSDD's ``recordings/``; skips the test if it is absent."""
+    root = Path(os.environ.get("FSDD_ROOT", DEFAULT_FSDD_ROOT)).resolve()
+    if find_fsdd_recordings(root) is None:
+        pytest.skip(
+            f"FSDD recordings not found under {root}; set FSDD_ROOT=PATH to a folder "
+            "holding FSDD v1.0.10's recordings/ to run this test."
+        )
     return root
+
+
+@pytest.fixture(scope="session")
+def fsdd_recordings(fsdd_root: Path) -> Path:
+    """FSDD's recordings folder."""
+    recordings = find_fsdd_recordings(fsdd_root)
+    assert recordings is not None
+    return recordings
 
 
 @pytest.fixture

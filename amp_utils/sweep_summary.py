@@ -1,0 +1,242 @@
+"""Summarize a Hydra multirun (e.g. ``precision=fp32,fp16,bf16``) in one table.
+
+Each run writes ``results.json`` into its job folder. :func:`summarize_sweep` collects them
+into ``summary.md`` and ``summary.csv`` in the sweep directory, with the speed-up of each
+run over the fp32 run that differs from it only in precision. Job folders (found through
+Hydra's ``.hydra/overrides.yaml``) without ``results.json`` are listed as failed, so a
+crashed run is visible instead of silently missing. :class:`SweepSummaryCallback` runs it
+at the end of every multirun.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from amp_utils.atomic import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "results.json"
+MISSING = "—"
+SPEEDUP_COLUMN = "speed-up vs fp32"
+_LEADING_COLUMNS = ("run", "status", "precision", "device", "model", "data")
+_PRECISION_ORDER = ("fp32", "fp16", "bf16")
+_TRAILING_COLUMNS = ("utt/s", "audio-s/s", SPEEDUP_COLUMN, "peak memory MB", "wall time s")
+
+
+def _format_number(value: Any) -> str:
+    """Two decimals for numbers, :data:`MISSING` for ``None``, ``str`` otherwise."""
+    if value is None:
+        return MISSING
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _read_overrides(job_dir: Path) -> list[str]:
+    """Hydra overrides of a job folder (empty if it has none or they cannot be read)."""
+    overrides_file = job_dir / ".hydra" / "overrides.yaml"
+    if not overrides_file.is_file():
+        return []
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file))
+    except Exception as err:  # a broken file must not hide the other runs
+        log.warning("Cannot read %s: %s", overrides_file, err)
+        return []
+    return [str(item) for item in overrides] if isinstance(overrides, list) else []
+
+
+def _job_dir_of(results_file: Path, job_dirs: set[Path]) -> Path:
+    """The job folder a ``results.json`` belongs to: nearest ancestor with ``.hydra``."""
+    for parent in results_file.parents:
+        if parent in job_dirs:
+            return parent
+    return results_file.parent
+
+
+def _override_value(overrides: list[str], key: str) -> str | None:
+    """Value of ``key=value`` (also ``+key=``/``++key=``) in a list of overrides."""
+    for override in overrides:
+        name, sep, value = override.partition("=")
+        if sep and name.lstrip("+") == key:
+            return value
+    return None
+
+
+def _non_precision_overrides(overrides: list[str]) -> tuple[str, ...]:
+    """The overrides other than ``precision=...``, sorted."""
+    return tuple(sorted(o for o in overrides if o.partition("=")[0].lstrip("+") != "precision"))
+
+
+def _comparison_key(run: dict[str, Any]) -> tuple:
+    """What must match for two runs to be compared: all but precision."""
+    results = run["results"]
+    return (
+        results.get("device"),
+        results.get("model"),
+        results.get("data"),
+        _non_precision_overrides(run["overrides"]),
+    )
+
+
+def _sort_key(run: dict[str, Any]) -> tuple:
+    """Sort by overrides, keeping runs that differ only in precision together (fp32 first)."""
+    precision = _override_value(run["overrides"], "precision")
+    if precision is None and run["results"] is not None:
+        precision = run["results"].get("precision")
+    rank = _PRECISION_ORDER.index(precision) if precision in _PRECISION_ORDER else 99
+    return (_non_precision_overrides(run["overrides"]), rank, str(precision), run["name"])
+
+
+def _collect_runs(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One entry per job folder: its name, overrides and results (``None`` if failed)."""
+    job_dirs = {
+        overrides_file.parent.parent
+        for overrides_file in sweep_dir.rglob("overrides.yaml")
+        if overrides_file.parent.name == ".hydra"
+    }
+    results_by_job: dict[Path, dict[str, Any] | None] = dict.fromkeys(job_dirs)
+    for results_file in sweep_dir.rglob(RESULTS_FILE):
+        try:
+            results = json.loads(results_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            log.warning("Cannot read %s, counting the run as failed: %s", results_file, err)
+            results = None
+        results_by_job[_job_dir_of(results_file, job_dirs)] = (
+            results if isinstance(results, dict) else None
+        )
+
+    runs = []
+    for job_dir, results in results_by_job.items():
+        overrides = _read_overrides(job_dir)
+        if results is not None and isinstance(results.get("overrides"), list):
+            overrides = [str(item) for item in results["overrides"]]
+        runs.append(
+            {
+                "name": job_dir.relative_to(sweep_dir).as_posix() or ".",
+                "overrides": overrides,
+                "results": results,
+            }
+        )
+    runs.sort(key=_sort_key)
+    return runs
+
+
+def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Table rows (all values formatted as strings) in the order of ``runs``."""
+    metric_names: list[str] = []
+    for run in runs:
+        if run["results"] is not None:
+            for name in run["results"].get("test_metrics") or {}:
+                if name not in metric_names:
+                    metric_names.append(name)
+
+    fp32_speed: dict[tuple, float] = {}
+    for run in runs:
+        results = run["results"]
+        if results is not None and results.get("precision") == "fp32":
+            speed = (results.get("throughput") or {}).get("train_utterances_per_s")
+            if isinstance(speed, (int, float)) and speed > 0:
+                fp32_speed.setdefault(_comparison_key(run), float(speed))
+
+    rows = []
+    for run in runs:
+        results = run["results"]
+        row = dict.fromkeys((*_LEADING_COLUMNS, *metric_names, *_TRAILING_COLUMNS), MISSING)
+        row["run"] = run["name"]
+        if results is None:
+            row["status"] = "failed"
+            row["precision"] = _override_value(run["overrides"], "precision") or MISSING
+            rows.append(row)
+            continue
+        row["status"] = "ok"
+        for column in ("precision", "device", "model", "data"):
+            row[column] = _format_number(results.get(column))
+        metrics = results.get("test_metrics") or {}
+        for name in metric_names:
+            row[name] = _format_number(metrics.get(name))
+        throughput = results.get("throughput") or {}
+        speed = throughput.get("train_utterances_per_s")
+        row["utt/s"] = _format_number(speed)
+        row["audio-s/s"] = _format_number(throughput.get("train_audio_seconds_per_s"))
+        reference = fp32_speed.get(_comparison_key(run))
+        if reference is not None and isinstance(speed, (int, float)):
+            row[SPEEDUP_COLUMN] = f"{speed / reference:.2f}x"
+        row["peak memory MB"] = _format_number(results.get("peak_memory_mb"))
+        row["wall time s"] = _format_number(results.get("wall_time_s"))
+        rows.append(row)
+    return rows
+
+
+def format_markdown(rows: list[dict[str, str]]) -> str:
+    """A GitHub-flavoured markdown table of ``rows`` (columns from the first row)."""
+    if not rows:
+        return "_No runs found._\n"
+    columns = list(rows[0])
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    lines = [line(columns), "|" + "|".join("---" for _ in columns) + "|"]
+    lines += [line([row[column] for column in columns]) for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def format_csv(rows: list[dict[str, str]]) -> str:
+    """CSV text of ``rows`` with a header line (empty string for no rows)."""
+    if not rows:
+        return ""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
+    """Collect a sweep's runs and write ``summary.md`` and ``summary.csv`` into it.
+
+    Args:
+        sweep_dir: the multirun directory (``hydra.sweep.dir``).
+
+    Returns:
+        The table rows, sorted by overrides (runs that differ only in precision next to
+        each other, in the order fp32, fp16, bf16): dicts from column name to the formatted cell
+        (``run``, ``status``, ``precision``, ``device``, ``model``, ``data``, each test
+        metric, ``utt/s``, ``audio-s/s``, ``speed-up vs fp32``, ``peak memory MB``,
+        ``wall time s``); missing values are ``"—"``.
+    """
+    sweep_dir = Path(sweep_dir)
+    rows = _build_rows(_collect_runs(sweep_dir))
+    atomic_write_text(sweep_dir / "summary.md", format_markdown(rows))
+    atomic_write_text(sweep_dir / "summary.csv", format_csv(rows))
+    return rows
+
+
+class SweepSummaryCallback(Callback):
+    """Hydra callback that summarizes the sweep when a multirun ends.
+
+    Enable it in the Hydra config::
+
+        hydra:
+          callbacks:
+            sweep_summary:
+              _target_: amp_utils.sweep_summary.SweepSummaryCallback
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write ``summary.md``/``summary.csv`` into ``hydra.sweep.dir`` and print the table."""
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            log.warning("Sweep directory %s does not exist; no summary written", sweep_dir)
+            return
+        rows = summarize_sweep(sweep_dir)
+        print(f"Sweep summary ({sweep_dir / 'summary.md'}):\n{format_markdown(rows)}")

@@ -1,0 +1,160 @@
+"""A map-style dataset over manifest utterances and the collate function that pads batches.
+
+Transcripts are tokenised and speakers mapped to indices when the dataset is built, so a
+bad character or an unknown speaker stops the run before the first step, naming the
+utterance, instead of inside a DataLoader worker mid-epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from data.audio import load_audio
+from data.errors import DataError
+from data.manifest import Utterance
+from data.text import CharTokenizer
+
+
+@dataclass
+class AudioBatch:
+    """A padded batch of utterances.
+
+    Attributes:
+        ids: utterance ids.
+        wavs: ``[B, T]`` float32 audio, zero-padded.
+        wav_lens: ``[B]`` int64 valid samples per utterance.
+        tokens: ``[B, L]`` int64 token ids, padded with 0 (the blank).
+        token_lens: ``[B]`` int64 valid tokens per utterance.
+        speakers: ``[B]`` int64 speaker indices.
+        transcripts: transcripts as text.
+        durations: ``[B]`` float32 durations in seconds.
+    """
+
+    ids: list[str]
+    wavs: torch.Tensor
+    wav_lens: torch.Tensor
+    tokens: torch.Tensor
+    token_lens: torch.Tensor
+    speakers: torch.Tensor
+    transcripts: list[str]
+    durations: torch.Tensor
+
+    def _map_tensors(self, fn: Any) -> AudioBatch:
+        changes = {
+            f.name: fn(getattr(self, f.name))
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **changes)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> AudioBatch:
+        """Copy of the batch with every tensor moved to ``device``."""
+        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> AudioBatch:
+        """Copy with tensors in pinned memory; called by ``DataLoader(pin_memory=True)``."""
+        return self._map_tensors(lambda t: t.pin_memory())
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class AudioDataset(torch.utils.data.Dataset):
+    """Utterances as dicts of audio, tokens and speaker index.
+
+    Args:
+        utterances: the utterances (e.g. from ``read_manifest``).
+        sample_rate: rate the audio is loaded at (resampled if needed).
+        tokenizer: encodes transcripts; ``None`` gives empty token tensors (tasks without
+            text, e.g. speaker identification).
+        speakers: speaker names in index order; ``None`` uses the sorted names found in
+            ``utterances``. Pass the training set's ``speakers`` to evaluation sets so the
+            indices agree.
+
+    Raises:
+        DataError: if a transcript has characters the tokenizer cannot encode, or an
+            utterance's speaker is not in ``speakers``; the message names the utterance.
+    """
+
+    def __init__(
+        self,
+        utterances: Sequence[Utterance],
+        sample_rate: int,
+        tokenizer: CharTokenizer | None = None,
+        speakers: Sequence[str] | None = None,
+    ) -> None:
+        self.utterances = list(utterances)
+        self.sample_rate = sample_rate
+        self.tokenizer = tokenizer
+        if speakers is None:
+            speakers = sorted({utt.speaker for utt in self.utterances})
+        self.speakers: tuple[str, ...] = tuple(speakers)
+        speaker_index = {name: i for i, name in enumerate(self.speakers)}
+
+        self.tokens: list[list[int]] = []
+        self.speaker_ids: list[int] = []
+        for utt in self.utterances:
+            if utt.speaker not in speaker_index:
+                raise DataError(
+                    f"Utterance {utt.id!r} has speaker {utt.speaker!r}, which is not among "
+                    f"the known speakers {list(self.speakers)}. Fix: build evaluation sets "
+                    "with the training set's speakers, or drop utterances of unseen speakers."
+                )
+            self.speaker_ids.append(speaker_index[utt.speaker])
+            if tokenizer is None:
+                self.tokens.append([])
+                continue
+            try:
+                self.tokens.append(tokenizer.encode(utt.transcript))
+            except DataError as err:
+                raise DataError(f"Utterance {utt.id!r} ({utt.path}): {err}") from None
+        #: Durations in seconds, for ``DurationBatchSampler``.
+        self.durations: list[float] = [utt.duration for utt in self.utterances]
+
+    def __len__(self) -> int:
+        return len(self.utterances)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Load one utterance.
+
+        Returns:
+            A dict with ``id``, ``wav`` (1-D float32), ``tokens`` (1-D int64), ``speaker``
+            (int), ``transcript`` and ``duration``.
+        """
+        utt = self.utterances[index]
+        return {
+            "id": utt.id,
+            "wav": load_audio(utt.path, self.sample_rate),
+            "tokens": torch.tensor(self.tokens[index], dtype=torch.int64),
+            "speaker": self.speaker_ids[index],
+            "transcript": utt.transcript,
+            "duration": utt.duration,
+        }
+
+
+def _pad(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    longest = max((t.numel() for t in tensors), default=0)
+    out = torch.zeros(len(tensors), longest, dtype=dtype)
+    for row, tensor in enumerate(tensors):
+        out[row, : tensor.numel()] = tensor
+    return out
+
+
+def collate_audio(items: Sequence[dict[str, Any]]) -> AudioBatch:
+    """Pad a list of ``AudioDataset`` items into an ``AudioBatch``."""
+    wavs = [item["wav"] for item in items]
+    tokens = [item["tokens"] for item in items]
+    return AudioBatch(
+        ids=[item["id"] for item in items],
+        wavs=_pad(wavs, torch.float32),
+        wav_lens=torch.tensor([w.numel() for w in wavs], dtype=torch.int64),
+        tokens=_pad(tokens, torch.int64),
+        token_lens=torch.tensor([t.numel() for t in tokens], dtype=torch.int64),
+        speakers=torch.tensor([item["speaker"] for item in items], dtype=torch.int64),
+        transcripts=[item["transcript"] for item in items],
+        durations=torch.tensor([item["duration"] for item in items], dtype=torch.float32),
+    )

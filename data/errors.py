@@ -1,0 +1,22 @@
+"""Exceptions raised by the data package.
+
+Every error carries one message that names the problem, the file (and row) involved and
+the fix, so a failed run can be repaired without reading the code. All derive from
+``ValueError`` through ``DataError`` so callers can catch one type.
+"""
+
+
+class DataError(ValueError):
+    """Base class for bad data or bad data settings."""
+
+
+class AudioError(DataError):
+    """An audio file is missing, empty, truncated or cannot be decoded."""
+
+
+class ManifestError(DataError):
+    """A manifest file is missing, empty or malformed, or points at missing audio."""
+
+
+class DatasetNotFoundError(DataError):
+    """A dataset is not on disk and could not (or may not) be downloaded."""

@@ -1,0 +1,114 @@
+"""Log-mel features with per-utterance normalisation, and SpecAugment.
+
+Features are computed in float32 even under autocast (``fwd_default_precision``): the
+power spectrum and its log overflow or lose all precision in fp16, and they are cheap
+next to the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torchaudio
+
+from amp_utils.autocast import fwd_default_precision
+
+
+class LogMelFeatures(torch.nn.Module):
+    """``[B, T]`` waveforms to normalised log-mel frames ``[B, frames, n_mels]``.
+
+    Each utterance is normalised to zero mean and unit variance per mel bin over its valid
+    frames only (padding would bias the statistics of short utterances); padded frames are
+    set to zero.
+
+    Args:
+        sample_rate: audio sample rate in Hz.
+        n_fft: FFT size.
+        win_length: window length in samples (25 ms at 8 kHz).
+        hop_length: hop in samples (10 ms at 8 kHz).
+        n_mels: number of mel bins.
+    """
+
+    def __init__(
+        self,
+        sample_rate: int = 8000,
+        n_fft: int = 256,
+        win_length: int = 200,
+        hop_length: int = 80,
+        n_mels: int = 40,
+    ) -> None:
+        super().__init__()
+        self.hop_length = hop_length
+        self.n_mels = n_mels
+        self.mel = torchaudio.transforms.MelSpectrogram(
+            sample_rate=sample_rate,
+            n_fft=n_fft,
+            win_length=win_length,
+            hop_length=hop_length,
+            n_mels=n_mels,
+            center=True,
+        )
+
+    def frame_lengths(self, wav_lens: torch.Tensor) -> torch.Tensor:
+        """Number of valid frames for waveforms of ``wav_lens`` samples (centred STFT)."""
+        return torch.div(wav_lens, self.hop_length, rounding_mode="floor") + 1
+
+    @fwd_default_precision
+    def forward(
+        self, wavs: torch.Tensor, wav_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute features.
+
+        Args:
+            wavs: ``[B, T]`` float waveforms, zero-padded.
+            wav_lens: ``[B]`` valid samples per waveform.
+
+        Returns:
+            ``(features [B, frames, n_mels] float32, frame_lens [B] int64)``.
+        """
+        feats = torch.log(self.mel(wavs) + 1e-6).transpose(1, 2)  # [B, frames, n_mels]
+        frame_lens = self.frame_lengths(wav_lens.to(feats.device)).clamp(max=feats.shape[1])
+        frames = torch.arange(feats.shape[1], device=feats.device)
+        mask = (frames.unsqueeze(0) < frame_lens.unsqueeze(1)).unsqueeze(-1)  # [B, F, 1]
+        count = frame_lens.view(-1, 1, 1).to(feats.dtype)
+        mean = (feats * mask).sum(dim=1, keepdim=True) / count
+        var = (((feats - mean) * mask) ** 2).sum(dim=1, keepdim=True) / count
+        feats = (feats - mean) / torch.sqrt(var + 1e-5)
+        return feats * mask, frame_lens.to(torch.int64)
+
+
+class SpecAugment(torch.nn.Module):
+    """Frequency and time masking of ``[B, frames, n_mels]`` features, in training only.
+
+    Masks are drawn independently per utterance. Masked values are set to 0, the mean of
+    normalised features.
+
+    Args:
+        freq_mask: widest frequency mask, in mel bins.
+        time_mask: widest time mask, in frames.
+        n_freq_masks: number of frequency masks.
+        n_time_masks: number of time masks.
+    """
+
+    def __init__(
+        self,
+        freq_mask: int = 8,
+        time_mask: int = 20,
+        n_freq_masks: int = 2,
+        n_time_masks: int = 2,
+    ) -> None:
+        super().__init__()
+        self.n_freq_masks = n_freq_masks
+        self.n_time_masks = n_time_masks
+        self.freq_masking = torchaudio.transforms.FrequencyMasking(freq_mask, iid_masks=True)
+        self.time_masking = torchaudio.transforms.TimeMasking(time_mask, iid_masks=True)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        """Masked copy of ``feats`` in training mode; ``feats`` itself in eval mode."""
+        if not self.training:
+            return feats
+        spec = feats.transpose(1, 2).unsqueeze(1)  # [B, 1, n_mels, frames]
+        for _ in range(self.n_freq_masks):
+            spec = self.freq_masking(spec)
+        for _ in range(self.n_time_masks):
+            spec = self.time_masking(spec)
+        return spec.squeeze(1).transpose(1, 2)

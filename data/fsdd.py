@@ -1,0 +1,257 @@
+"""Free Spoken Digit Dataset (FSDD) v1.0.10: find or download it, and make digit manifests.
+
+FSDD holds 3000 recordings ``{digit}_{speaker}_{index}.wav`` (8 kHz mono, 6 speakers, index
+0-49). The official split uses index 0-4 for test; this module carves index 5-9 out of the
+training indices for validation, so the test set stays the official one.
+
+``ensure_fsdd`` never trusts a partial download: it unpacks into a temporary folder,
+checks the file count and a content checksum, and only then moves the recordings into
+place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from data.audio import audio_info
+from data.errors import DataError, DatasetNotFoundError
+from data.manifest import Utterance, write_manifest
+from data.text import DIGIT_WORDS
+
+FSDD_VERSION = "1.0.10"
+FSDD_URL = (
+    "https://github.com/Jakobovski/free-spoken-digit-dataset/archive/refs/tags/v1.0.10.tar.gz"
+)
+FSDD_SPEAKERS: tuple[str, ...] = ("george", "jackson", "lucas", "nicolas", "theo", "yweweler")
+FSDD_NUM_RECORDINGS = 3000
+#: sha256 over, for each recording in sorted name order, its name (UTF-8) then its bytes.
+FSDD_RECORDINGS_SHA256 = "45a9b976ba3397a2fd5c70a9f2e43c34f442a3a6be47392ecfc41174b678f37e"
+
+#: Folder name at the top of the release archive.
+FSDD_ARCHIVE_DIR = f"free-spoken-digit-dataset-{FSDD_VERSION}"
+FSDD_ARCHIVE_NAME = f"{FSDD_ARCHIVE_DIR}.tar.gz"
+
+#: Official test indices (0-4) and the validation indices carved from training (5-9).
+TEST_INDICES = range(0, 5)
+VALID_INDICES = range(5, 10)
+
+
+def _candidates(root: Path) -> list[Path]:
+    return [root, root / "recordings", root / FSDD_ARCHIVE_DIR / "recordings"]
+
+
+def _count_wavs(folder: Path) -> int:
+    return sum(1 for _ in folder.glob("*.wav")) if folder.is_dir() else 0
+
+
+def recordings_sha256(recordings_dir: str | Path) -> str:
+    """Content checksum of a recordings folder (see ``FSDD_RECORDINGS_SHA256``)."""
+    digest = hashlib.sha256()
+    for wav in sorted(Path(recordings_dir).glob("*.wav"), key=lambda p: p.name):
+        digest.update(wav.name.encode("utf-8"))
+        digest.update(wav.read_bytes())
+    return digest.hexdigest()
+
+
+def find_fsdd_recordings(root: str | Path) -> Path | None:
+    """Locate FSDD's ``recordings`` folder under ``root``.
+
+    ``root`` may be the recordings folder itself, a folder holding ``recordings/`` (like
+    the shared copy), or one holding the unpacked archive
+    (``free-spoken-digit-dataset-1.0.10/recordings``).
+
+    Returns:
+        The first candidate folder holding exactly ``FSDD_NUM_RECORDINGS`` wav files, or
+        ``None`` if there is none.
+    """
+    for folder in _candidates(Path(root)):
+        if _count_wavs(folder) == FSDD_NUM_RECORDINGS:
+            return folder
+    return None
+
+
+def _not_found(root: Path, problem: str) -> DatasetNotFoundError:
+    looked = ", ".join(str(folder) for folder in _candidates(root))
+    return DatasetNotFoundError(
+        f"FSDD v{FSDD_VERSION} recordings not found: {problem}. Looked for "
+        f"{FSDD_NUM_RECORDINGS} .wav files in {looked}. Fix: set data.root=PATH (or the "
+        f"environment variable FSDD_ROOT=PATH) to a folder holding FSDD's recordings/, or "
+        f"allow the download of {FSDD_URL}."
+    )
+
+
+def _is_recording(member: tarfile.TarInfo) -> bool:
+    parts = Path(member.name).parts
+    return (
+        member.isfile()
+        and len(parts) >= 3
+        and parts[-2] == "recordings"
+        and parts[-1].endswith(".wav")
+    )
+
+
+def _unpack_recordings(archive: Path, root: Path) -> Path:
+    """Unpack ``*/recordings/*.wav`` from ``archive``, verify, and move into ``root``."""
+    staging = root / ".fsdd-unpack.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        try:
+            with tarfile.open(archive, "r:*") as tar:
+                members = [m for m in tar.getmembers() if _is_recording(m)]
+                tar.extractall(staging, members=members, filter="data")
+        except (tarfile.TarError, OSError, EOFError) as err:
+            archive.unlink(missing_ok=True)
+            raise DatasetNotFoundError(
+                f"FSDD archive {archive} cannot be unpacked ({err}); it was deleted. "
+                f"Fix: re-run to download {FSDD_URL} again, or set data.root=PATH to an "
+                "unpacked copy."
+            ) from None
+        folders = sorted({staging / Path(m.name).parent for m in members})
+        count = len(members)
+        checksum = recordings_sha256(folders[0]) if len(folders) == 1 else ""
+        if (
+            len(folders) != 1
+            or count != FSDD_NUM_RECORDINGS
+            or (checksum != FSDD_RECORDINGS_SHA256)
+        ):
+            archive.unlink(missing_ok=True)
+            raise DatasetNotFoundError(
+                f"FSDD archive {archive} does not hold the expected recordings: found "
+                f"{count} .wav files in {len(folders)} recordings folder(s) with checksum "
+                f"{checksum or '-'}, expected {FSDD_NUM_RECORDINGS} in one folder with "
+                f"checksum {FSDD_RECORDINGS_SHA256}. The archive and the partial unpack "
+                f"were deleted. Fix: re-run to download {FSDD_URL} again, or set "
+                "data.root=PATH to a verified copy."
+            )
+        # Move the verified tree into place: <root>/free-spoken-digit-dataset-1.0.10/...
+        top = staging / Path(members[0].name).parts[0]
+        target = root / FSDD_ARCHIVE_DIR
+        shutil.rmtree(target, ignore_errors=True)
+        top.replace(target)
+        return target / folders[0].relative_to(top)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def ensure_fsdd(root: str | Path, download: bool = True) -> Path:
+    """Return FSDD's recordings folder under ``root``, downloading it if needed.
+
+    Args:
+        root: where to look (see ``find_fsdd_recordings``) and where to download to.
+        download: if False, never touch the network.
+
+    Returns:
+        The recordings folder.
+
+    Raises:
+        DatasetNotFoundError: if the data is absent and download is disabled or fails, or
+            the downloaded archive does not hold the expected recordings.
+    """
+    root = Path(root).absolute()
+    found = find_fsdd_recordings(root)
+    if found is not None:
+        return found
+    if not download:
+        raise _not_found(root, "download is disabled")
+    root.mkdir(parents=True, exist_ok=True)
+    archive = root / FSDD_ARCHIVE_NAME
+    if not archive.is_file():
+        try:
+            # Writes to a temporary file and renames it when complete.
+            torch.hub.download_url_to_file(FSDD_URL, str(archive), progress=True)
+        except OSError as err:  # URLError, HTTPError, timeouts and disk errors
+            archive.unlink(missing_ok=True)
+            raise _not_found(root, f"the download failed ({err})") from None
+    recordings = _unpack_recordings(archive, root)
+    archive.unlink(missing_ok=True)
+    return recordings
+
+
+def parse_fsdd_name(path: str | Path) -> tuple[int, str, int]:
+    """Digit, speaker and index of an FSDD file named ``{digit}_{speaker}_{index}.wav``.
+
+    Raises:
+        DataError: if the name does not follow that pattern.
+    """
+    parts = Path(path).stem.split("_")
+    if len(parts) == 3 and parts[0].isdigit() and parts[2].isdigit() and parts[1]:
+        digit, speaker, index = int(parts[0]), parts[1], int(parts[2])
+        if 0 <= digit <= 9:
+            return digit, speaker, index
+    raise DataError(
+        f"Not an FSDD recording name: {path}. Fix: FSDD files are named "
+        "{digit}_{speaker}_{index}.wav (e.g. 7_jackson_32.wav); keep only those in recordings/."
+    )
+
+
+def fsdd_utterances(recordings_dir: str | Path) -> list[Utterance]:
+    """One utterance per FSDD recording, sorted by file name.
+
+    The transcript is the digit's word (``"seven"``), the id the file stem; durations
+    come from the file headers.
+    """
+    utterances = []
+    for wav in sorted(Path(recordings_dir).absolute().glob("*.wav")):
+        digit, speaker, _ = parse_fsdd_name(wav)
+        frames, sample_rate = audio_info(wav)
+        utterances.append(
+            Utterance(
+                id=wav.stem,
+                path=str(wav),
+                duration=frames / sample_rate,
+                transcript=DIGIT_WORDS[digit],
+                speaker=speaker,
+            )
+        )
+    return utterances
+
+
+def split_fsdd(utterances: Sequence[Utterance]) -> dict[str, list[Utterance]]:
+    """Split FSDD utterances by recording index.
+
+    test = index 0-4 (the official test set), valid = 5-9, train = 10-49. The split is by
+    index, so every speaker and digit appears in every split.
+
+    Returns:
+        ``{"train": [...], "valid": [...], "test": [...]}`` in input order.
+    """
+    splits: dict[str, list[Utterance]] = {"train": [], "valid": [], "test": []}
+    for utt in utterances:
+        _, _, index = parse_fsdd_name(utt.path)
+        if index in TEST_INDICES:
+            splits["test"].append(utt)
+        elif index in VALID_INDICES:
+            splits["valid"].append(utt)
+        else:
+            splits["train"].append(utt)
+    return splits
+
+
+def prepare_fsdd_digits(
+    root: str | Path, out_dir: str | Path, download: bool = True
+) -> dict[str, Path]:
+    """Write ``train/valid/test.csv`` manifests of single FSDD digits into ``out_dir``.
+
+    Safe to re-run: manifests are rewritten atomically (3000 header reads, about a second).
+
+    Args:
+        root: where FSDD is or should be downloaded to (see ``ensure_fsdd``).
+        out_dir: folder for the manifests.
+        download: allow downloading FSDD if it is not under ``root``.
+
+    Returns:
+        Manifest path per split.
+    """
+    recordings = ensure_fsdd(root, download=download)
+    out_dir = Path(out_dir)
+    paths = {}
+    for split, utterances in split_fsdd(fsdd_utterances(recordings)).items():
+        paths[split] = out_dir / f"{split}.csv"
+        write_manifest(paths[split], utterances)
+    return paths

@@ -1,0 +1,156 @@
+"""Batches by total padded duration, with length bucketing, for single- and multi-process runs.
+
+A fixed batch size wastes memory on short utterances and runs out of it on long ones;
+bounding ``len(batch) * longest`` (what the padded batch tensor costs) keeps the memory
+per step nearly constant. Sorting into duration buckets keeps padding small, and
+shuffling inside buckets and the batch order keeps epochs random but reproducible from
+``(seed, epoch)``, which is what resuming a run needs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from data.errors import DataError
+
+
+class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Yield lists of dataset indices whose padded duration fits ``max_batch_seconds``.
+
+    A batch's padded duration is ``len(batch) * max(duration in batch)``; an item longer
+    than the budget forms a batch of its own. Indices are sorted by duration and cut into
+    ``num_buckets`` buckets of equal count; batches are packed inside each bucket and the
+    batch order is shuffled. With ``shuffle=True`` each epoch packs and orders differently,
+    deterministically for a given ``(seed, epoch)``.
+
+    With ``num_replicas > 1`` every rank builds the same batch list and takes every
+    ``num_replicas``-th batch starting at ``rank``; the list is truncated to a multiple of
+    ``num_replicas`` so all ranks run the same number of steps (DDP needs that).
+
+    Args:
+        durations: duration in seconds of every dataset item.
+        max_batch_seconds: budget for ``len(batch) * longest item``.
+        shuffle: shuffle within buckets and the batch order (False: sorted, fixed order).
+        seed: base seed; the epoch is added to it.
+        num_buckets: number of duration buckets.
+        drop_last: drop each bucket's last batch when it is incomplete (it would still
+            have room for one more item as long as its longest one).
+        num_replicas: number of distributed processes.
+        rank: this process's rank in ``[0, num_replicas)``.
+    """
+
+    def __init__(
+        self,
+        durations: Sequence[float],
+        max_batch_seconds: float,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_buckets: int = 10,
+        drop_last: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if not max_batch_seconds > 0:
+            raise DataError(
+                f"max_batch_seconds must be positive, got {max_batch_seconds}. "
+                "Fix: set a budget in seconds of padded audio per batch, e.g. "
+                "data.max_batch_seconds=40."
+            )
+        self.durations = [float(d) for d in durations]
+        bad = [d for d in self.durations if not (math.isfinite(d) and d >= 0)]
+        if not self.durations or bad:
+            raise DataError(
+                f"DurationBatchSampler needs one finite, non-negative duration per item; "
+                f"got {len(self.durations)} durations, {len(bad)} bad (e.g. {bad[:3]}). "
+                "Fix: check the manifest's duration column and that the split is not empty."
+            )
+        if num_buckets < 1:
+            raise DataError(
+                f"num_buckets must be at least 1, got {num_buckets}. Fix: e.g. num_buckets=10."
+            )
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise DataError(
+                f"Need num_replicas >= 1 and 0 <= rank < num_replicas, got "
+                f"num_replicas={num_replicas}, rank={rank}. Fix: pass the world size and "
+                "this process's rank from torch.distributed."
+            )
+        self.max_batch_seconds = float(max_batch_seconds)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_buckets = num_buckets
+        self.drop_last = drop_last
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self._skip = 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose batches the next iteration yields (seeds the shuffle)."""
+        self.epoch = epoch
+
+    def skip_batches(self, num_batches: int) -> None:
+        """Make the next iteration start at batch ``num_batches`` of the epoch (for resuming).
+
+        One-shot: the iteration after that starts from batch 0 again.
+        """
+        if num_batches < 0:
+            raise DataError(
+                f"skip_batches needs a count >= 0, got {num_batches}. Fix: pass the number "
+                "of batches of this epoch already trained."
+            )
+        self._skip = num_batches
+
+    def _pack(self, bucket: list[int]) -> list[list[int]]:
+        batches: list[list[int]] = []
+        batch: list[int] = []
+        longest = 0.0
+        for index in bucket:
+            duration = self.durations[index]
+            new_longest = max(longest, duration)
+            if batch and (len(batch) + 1) * new_longest > self.max_batch_seconds:
+                batches.append(batch)
+                batch, new_longest = [], duration
+            batch.append(index)
+            longest = new_longest
+        if batch:
+            incomplete = (len(batch) + 1) * longest <= self.max_batch_seconds
+            if not (self.drop_last and incomplete):
+                batches.append(batch)
+        return batches
+
+    def _all_batches(self) -> list[list[int]]:
+        """Batches of the current epoch for all ranks together (cached per epoch)."""
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        rng = random.Random(self.seed + self.epoch)
+        order = sorted(range(len(self.durations)), key=lambda i: (self.durations[i], i))
+        num_buckets = min(self.num_buckets, len(order))
+        bounds = [round(b * len(order) / num_buckets) for b in range(num_buckets + 1)]
+        batches: list[list[int]] = []
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            bucket = order[start:end]
+            if self.shuffle:
+                rng.shuffle(bucket)
+            batches.extend(self._pack(bucket))
+        if self.shuffle:
+            rng.shuffle(batches)
+        self._cache = (self.epoch, batches)
+        return batches
+
+    def _rank_batches(self) -> list[list[int]]:
+        batches = self._all_batches()
+        usable = len(batches) - len(batches) % self.num_replicas
+        return batches[:usable][self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, self._skip = self._skip, 0
+        return iter(self._rank_batches()[skip:])
+
+    def __len__(self) -> int:
+        """Number of batches this rank yields in the current epoch (after any skip)."""
+        return max(0, len(self._rank_batches()) - self._skip)

@@ -1,0 +1,1 @@
+"""Recipes: the entry points (train, transcribe, benchmark) and the task-specific parts."""

@@ -1,0 +1,56 @@
+"""CTC speech recognition recipe: forward, CTC objective, greedy decoding, CER/WER."""
+
+from __future__ import annotations
+
+import torch
+import torchaudio
+
+from amp_utils import Stage
+from data.dataset import AudioBatch
+from data.text import ctc_greedy_decode
+from recipes.asr.model import ctc_log_probs, ctc_loss
+from recipes.audio_brain import AudioBrain
+
+
+class ASRBrain(AudioBrain):
+    """Character CTC recognizer; the best checkpoint is the one with the lowest CER."""
+
+    metric_key = "CER"
+    metric_mode = "min"
+
+    def compute_forward(self, batch: AudioBatch, stage: Stage):
+        feats, feat_lens = self.features(batch, stage)
+        return self.modules.model(feats, feat_lens)
+
+    def compute_objectives(self, predictions, batch: AudioBatch, stage: Stage) -> torch.Tensor:
+        logits, out_lens = predictions
+        log_probs = ctc_log_probs(logits)  # fp32 under autocast
+        loss = ctc_loss(log_probs, out_lens, batch.tokens, batch.token_lens)
+        if stage != Stage.TRAIN:
+            self._score(log_probs, out_lens, batch)
+        return loss
+
+    def reset_metrics(self, stage: Stage) -> None:
+        self.char_edits = self.char_total = self.word_edits = self.word_total = 0
+        self.examples: list[tuple[str, str]] = []
+
+    def _score(self, log_probs: torch.Tensor, out_lens: torch.Tensor, batch: AudioBatch) -> None:
+        tokenizer = self.hparams.tokenizer
+        hyps = [tokenizer.decode(ids) for ids in ctc_greedy_decode(log_probs, out_lens)]
+        for ref, hyp in zip(batch.transcripts, hyps, strict=True):
+            self.char_edits += torchaudio.functional.edit_distance(ref, hyp)
+            self.char_total += len(ref)
+            self.word_edits += torchaudio.functional.edit_distance(ref.split(), hyp.split())
+            self.word_total += len(ref.split())
+            if len(self.examples) < self.hparams.num_text_examples:
+                self.examples.append((ref, hyp))
+
+    def stage_metrics(self, stage: Stage) -> dict[str, float]:
+        return {
+            "CER": 100.0 * self.char_edits / max(self.char_total, 1),
+            "WER": 100.0 * self.word_edits / max(self.word_total, 1),
+        }
+
+    def text_examples(self) -> str | None:
+        rows = [f"| {ref} | {hyp} |" for ref, hyp in self.examples]
+        return "| reference | hypothesis |\n|---|---|\n" + "\n".join(rows) if rows else None

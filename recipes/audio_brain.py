@@ -1,0 +1,104 @@
+"""``AudioBrain``: what the ASR and speaker recipes share on top of ``amp_utils.Brain``.
+
+Batches move to the device once per step (non-blocking from pinned memory), log-mel
+features are computed on the device in fp32, SpecAugment is applied in training, and at
+the end of each validation the epoch's metrics go to the log and TensorBoard and a
+checkpoint is saved with them (keeping the most recent ones and the best).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from amp_utils import Brain, Stage
+from data.dataset import AudioBatch
+
+logger = logging.getLogger(__name__)
+
+
+class AudioBrain(Brain):
+    """Brain over ``AudioBatch`` batches; subclasses define the model call and metrics.
+
+    Subclasses set ``metric_key`` (the checkpoint-selection metric) and
+    ``metric_mode`` (``"min"`` or ``"max"``) and implement ``stage_metrics``.
+    """
+
+    metric_key = "loss"
+    metric_mode = "min"
+
+    def fit_batch(self, batch: AudioBatch) -> torch.Tensor:
+        return super().fit_batch(batch.to(self.device, non_blocking=True))
+
+    def evaluate_batch(self, batch: AudioBatch, stage: Stage) -> torch.Tensor:
+        return super().evaluate_batch(batch.to(self.device, non_blocking=True), stage)
+
+    def batch_stats(self, batch: AudioBatch) -> tuple[int, float]:
+        return len(batch), float(batch.durations.sum())
+
+    def features(self, batch: AudioBatch, stage: Stage) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-mel features (fp32 even under autocast), SpecAugment-ed in training."""
+        feats, feat_lens = self.modules.features(batch.wavs, batch.wav_lens)
+        if stage == Stage.TRAIN and "augment" in self.modules:
+            feats = self.modules.augment(feats)
+        return feats, feat_lens
+
+    # -------------------------------------------------------------- metrics
+    def stage_metrics(self, stage: Stage) -> dict[str, float]:
+        """Metrics of the stage that just ended (e.g. CER/WER or accuracy)."""
+        raise NotImplementedError
+
+    def text_examples(self) -> str | None:
+        """A few predictions of the last validation, as markdown (or None)."""
+        return None
+
+    def on_stage_start(self, stage: Stage, epoch: int | None = None) -> None:
+        self.reset_metrics(stage)
+
+    def reset_metrics(self, stage: Stage) -> None:
+        """Clear the metric accumulators of ``stage``."""
+
+    def on_stage_end(self, stage: Stage, stage_loss: float, epoch: int | None = None) -> None:
+        if stage == Stage.TRAIN:
+            self.train_loss = stage_loss
+            return
+        metrics = {"loss": stage_loss, **self.stage_metrics(stage)}
+        if stage == Stage.TEST:
+            self.test_metrics = metrics
+            logger.info("test: %s", _fmt(metrics))
+            return
+        self.valid_metrics = metrics
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
+        logger.info(
+            "epoch %s: lr %.2e, train loss %.4f, valid %s",
+            epoch,
+            lr,
+            getattr(self, "train_loss", float("nan")),
+            _fmt(metrics),
+        )
+        if self.tensorboard is not None:
+            scalars = {"epoch/train_loss": getattr(self, "train_loss", float("nan"))}
+            scalars.update({f"valid/{k}": v for k, v in metrics.items()})
+            self.tensorboard.log_scalars(scalars, step=epoch)
+            examples = self.text_examples()
+            if examples:
+                self.tensorboard.log_text("valid/examples", examples, step=epoch)
+        if self.checkpointer is not None:
+            keys = {"min_keys" if self.metric_mode == "min" else "max_keys": [self.metric_key]}
+            self.checkpointer.save_and_keep_only(
+                meta={**metrics, "epoch": epoch},
+                num_to_keep=self.hparams.keep_checkpoints,
+                **keys,
+            )
+
+    def evaluate_best(self, test_loader: Any) -> dict[str, float]:
+        """Evaluate with the best checkpoint by the recipe's metric; returns test metrics."""
+        key = {"min_key" if self.metric_mode == "min" else "max_key": self.metric_key}
+        self.evaluate(test_loader, **key)
+        return self.test_metrics
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())

@@ -1,0 +1,126 @@
+"""From the ``data`` config to checked datasets and duration-batched DataLoaders."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader
+
+from data.audio import check_audio_files
+from data.connected_digits import prepare_connected_digits
+from data.dataset import AudioDataset, collate_audio
+from data.errors import DataError
+from data.fsdd import prepare_fsdd_digits
+from data.manifest import Utterance, read_manifest
+from data.sampler import DurationBatchSampler
+from data.text import CharTokenizer
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "valid", "test")
+DATASETS = ("fsdd_digits", "fsdd_connected", "manifest")
+
+
+@dataclass
+class DataBundle:
+    """The three loaders of a run plus what the model needs to know about the data."""
+
+    train: DataLoader
+    valid: DataLoader
+    test: DataLoader
+    tokenizer: CharTokenizer | None
+    speakers: tuple[str, ...]
+    skipped_files: list[tuple[str, str]] = field(default_factory=list)
+
+
+def prepare_manifests(data_cfg: DictConfig) -> dict[str, Path]:
+    """Prepare (or find) the train/valid/test manifests of the configured data set."""
+    if data_cfg.name == "fsdd_digits":
+        return prepare_fsdd_digits(data_cfg.root, data_cfg.prepared_dir, download=data_cfg.download)
+    if data_cfg.name == "fsdd_connected":
+        return prepare_connected_digits(
+            data_cfg.root,
+            data_cfg.prepared_dir,
+            num_utterances={
+                "train": data_cfg.num_train,
+                "valid": data_cfg.num_valid,
+                "test": data_cfg.num_test,
+            },
+            min_digits=data_cfg.min_digits,
+            max_digits=data_cfg.max_digits,
+            silence_seconds=(data_cfg.silence_min, data_cfg.silence_max),
+            seed=data_cfg.generation_seed,
+            sample_rate=data_cfg.sample_rate,
+            download=data_cfg.download,
+        )
+    if data_cfg.name == "manifest":
+        return {split: Path(data_cfg[split]) for split in SPLITS}
+    raise DataError(
+        f"data.name={data_cfg.name!r} is unknown; choose one of: {', '.join(DATASETS)}."
+    )
+
+
+def load_utterances(
+    manifests: dict[str, Path], skip_bad_files: bool
+) -> tuple[dict[str, list[Utterance]], list[tuple[str, str]]]:
+    """Read and check every split's manifest and audio headers before training starts."""
+    splits, skipped = {}, []
+    for split in SPLITS:
+        utterances = read_manifest(manifests[split])
+        good, bad = check_audio_files(utterances, skip_bad_files=skip_bad_files)
+        if not good:
+            raise DataError(
+                f"No readable audio left in the {split} manifest {manifests[split]} "
+                f"({len(bad)} bad files). Fix the files or the manifest."
+            )
+        for path, reason in bad:
+            logger.warning("Skipping bad audio file %s: %s", path, reason)
+        splits[split], skipped = good, skipped + bad
+    return splits, skipped
+
+
+def build_data(cfg: DictConfig, device: torch.device) -> DataBundle:
+    """Manifests -> checked datasets -> DataLoaders batched by total audio duration."""
+    data_cfg = cfg.data
+    utterances, skipped = load_utterances(prepare_manifests(data_cfg), data_cfg.skip_bad_files)
+    tokenizer = CharTokenizer() if cfg.model.task == "asr" else None
+    if cfg.model.task == "speaker":  # closed set: evaluation speakers must be trained on
+        speakers = sorted({utt.speaker for utt in utterances["train"]})
+    else:  # speakers play no role in ASR; test speakers may be unseen
+        speakers = sorted({utt.speaker for split in utterances.values() for utt in split})
+    datasets = {
+        split: AudioDataset(utterances[split], data_cfg.sample_rate, tokenizer, speakers=speakers)
+        for split in SPLITS
+    }
+    budget = float(data_cfg.max_batch_seconds) * float(cfg.device.batch_scale)
+    workers = int(cfg.device.num_workers)
+    loaders = {}
+    for split, dataset in datasets.items():
+        sampler = DurationBatchSampler(
+            dataset.durations,
+            max_batch_seconds=budget,
+            shuffle=split == "train",
+            seed=cfg.seed,
+            num_buckets=data_cfg.num_buckets,
+        )
+        loaders[split] = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate_audio,
+            num_workers=workers,
+            pin_memory=bool(cfg.device.pin_memory) and device.type == "cuda",
+            persistent_workers=workers > 0,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+    return DataBundle(
+        train=loaders["train"],
+        valid=loaders["valid"],
+        test=loaders["test"],
+        tokenizer=tokenizer,
+        speakers=tuple(speakers),
+        skipped_files=skipped,
+    )

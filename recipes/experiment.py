@@ -1,0 +1,249 @@
+"""One training run, start to finish: ``train(cfg) -> results`` (what recipes/train.py calls).
+
+Validate the config, prepare the data, build the model and its Brain, fit (resuming from
+the run folder's checkpoints if any), test with the best checkpoint, and write
+``results.json`` and ``env.txt`` next to the checkpoints and TensorBoard events.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from amp_utils import Checkpointer, EpochCounter, RunOptions, resolve_device
+from amp_utils.atomic import atomic_write_json
+from amp_utils.run_env import write_env_file
+from amp_utils.tensorboard import TensorBoardLogger
+from data.features import LogMelFeatures, SpecAugment
+from data.text import CharTokenizer
+from recipes.asr.brain import ASRBrain
+from recipes.asr.model import ConformerCTC
+from recipes.audio_brain import AudioBrain
+from recipes.config import validate_config
+from recipes.data_setup import DataBundle, build_data
+from recipes.speaker.brain import SpeakerBrain
+from recipes.speaker.model import XVector
+
+logger = logging.getLogger(__name__)
+
+LABELS_FILE = "labels.json"  # task and speaker names, for inference
+RUN_OPTION_KEYS = (
+    "max_grad_norm",
+    "grad_accumulation_factor",
+    "skip_nonfinite_grads",
+    "nonfinite_patience",
+    "noprogressbar",
+    "ckpt_interval_minutes",
+    "ckpt_interval_steps",
+    "debug",
+    "debug_batches",
+    "debug_epochs",
+    "compile",
+    "compile_module_keys",
+    "compile_mode",
+    "log_interval_steps",
+)
+
+
+def run_options(cfg: DictConfig) -> RunOptions:
+    """Brain run options from the ``trainer``, ``precision`` and ``device`` nodes."""
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    return RunOptions.from_dict(
+        {
+            **{key: trainer[key] for key in RUN_OPTION_KEYS},
+            "device": cfg.device.name,
+            "precision": cfg.precision.name,
+            "eval_precision": cfg.precision.eval_precision,
+            "allow_tf32": cfg.precision.allow_tf32,
+            "seed": cfg.seed,
+        }
+    )
+
+
+def build_model(cfg: DictConfig, speakers: tuple[str, ...]) -> torch.nn.Module:
+    """The configured model, sized for the features and the labels (vocabulary/speakers)."""
+    n_mels, m = cfg.data.features.n_mels, cfg.model
+    if m.task == "asr":
+        return ConformerCTC(
+            n_mels=n_mels,
+            vocab_size=CharTokenizer().vocab_size,
+            d_model=m.d_model,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            ffn_dim=m.ffn_dim,
+            conv_kernel=m.conv_kernel,
+            dropout=m.dropout,
+            subsampling=m.subsampling,
+        )
+    return XVector(
+        n_mels=n_mels,
+        num_speakers=len(speakers),
+        channels=m.channels,
+        embedding_dim=m.embedding_dim,
+        dropout=m.dropout,
+    )
+
+
+def build_features(cfg: DictConfig) -> LogMelFeatures:
+    """Log-mel front end of the configured data set."""
+    f = cfg.data.features
+    return LogMelFeatures(
+        sample_rate=cfg.data.sample_rate,
+        n_fft=f.n_fft,
+        win_length=f.win_length,
+        hop_length=f.hop_length,
+        n_mels=f.n_mels,
+    )
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
+    """LR multiplier: linear warm-up, then cosine decay to 5 % of the peak."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(warmup_steps, 1)
+        progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+        return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_brain(
+    cfg: DictConfig, data: DataBundle, out_dir: Path, tensorboard: TensorBoardLogger
+) -> AudioBrain:
+    """Model, features, optimizer, schedule and checkpointer wired into the task's Brain."""
+    opts = run_options(cfg)
+    device = resolve_device(opts.device)
+    modules: dict[str, torch.nn.Module] = {
+        "features": build_features(cfg),
+        "model": build_model(cfg, data.speakers),
+    }
+    if cfg.data.spec_augment:
+        modules["augment"] = SpecAugment()
+    fused = bool(cfg.trainer.fused_optimizer) and device.type == "cuda"
+    steps_per_epoch = math.ceil(len(data.train) / cfg.trainer.grad_accumulation_factor)
+
+    def opt_class(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            params,
+            lr=cfg.model.lr,
+            weight_decay=cfg.model.weight_decay,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
+
+    def lr_scheduler(optimizer: torch.optim.Optimizer) -> Any:
+        schedule = warmup_cosine(cfg.model.warmup_steps, cfg.trainer.epochs * steps_per_epoch)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+    brain_cls = ASRBrain if cfg.model.task == "asr" else SpeakerBrain
+    return brain_cls(
+        modules=modules,
+        opt_class=opt_class,
+        hparams={
+            "tokenizer": data.tokenizer,
+            "speakers": data.speakers,
+            "keep_checkpoints": cfg.trainer.keep_checkpoints,
+            "num_text_examples": cfg.trainer.num_text_examples,
+            "lr_scheduler": lr_scheduler,
+            "tensorboard": tensorboard,
+        },
+        run_opts=opts,
+        checkpointer=Checkpointer(out_dir / "checkpoints"),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python and torch (all devices)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # composed outside @hydra.main (tests, notebooks)
+        return []
+
+
+def device_name(device: torch.device) -> str:
+    """Human-readable name of the device (GPU model, or CPU thread count)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Run one experiment described by ``cfg``; returns what it writes to results.json."""
+    start = time.time()
+    validate_config(cfg)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.seed)
+    opts = run_options(cfg)
+    device = resolve_device(opts.device)
+    write_env_file(out_dir / "env.txt")
+    data = build_data(cfg, device)
+    atomic_write_json(
+        out_dir / LABELS_FILE, {"task": cfg.model.task, "speakers": list(data.speakers)}
+    )
+    tensorboard = TensorBoardLogger(out_dir / "tb")
+    try:
+        brain = build_brain(cfg, data, out_dir, tensorboard)
+        brain.fit(EpochCounter(cfg.trainer.epochs), data.train, data.valid)
+        test_metrics = brain.evaluate_best(data.test)
+        stats = brain.train_stats
+        results = {
+            "precision": cfg.precision.name,
+            "eval_precision": cfg.precision.eval_precision,
+            "device": device.type,
+            "device_name": device_name(device),
+            "model": cfg.model.name,
+            "task": cfg.model.task,
+            "data": cfg.data.name,
+            "overrides": _overrides(),
+            "test_metrics": test_metrics,
+            "valid_metrics": getattr(brain, "valid_metrics", {}),
+            "throughput": {
+                "train_utterances_per_s": stats["utterances"] / max(stats["time_s"], 1e-9),
+                "train_audio_seconds_per_s": stats["audio_s"] / max(stats["time_s"], 1e-9),
+                "train_time_s": stats["time_s"],
+            },
+            "peak_memory_mb": brain.peak_memory_mb(),
+            "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "process_rss",
+            "wall_time_s": time.time() - start,
+            "epochs": cfg.trainer.epochs,
+            "optimizer_steps": brain.optimizer_step,
+            "skipped_steps": brain.skipped_steps,
+            "num_parameters": sum(p.numel() for p in brain.modules.model.parameters()),
+            "skipped_files": len(data.skipped_files),
+            "torch_version": torch.__version__,
+        }
+        atomic_write_json(out_dir / "results.json", results)
+        tensorboard.log_hparams(
+            {
+                "precision": cfg.precision.name,
+                "device": device.type,
+                "model": cfg.model.name,
+                "data": cfg.data.name,
+                "epochs": cfg.trainer.epochs,
+                "lr": cfg.model.lr,
+                "max_batch_seconds": cfg.data.max_batch_seconds,
+                "compile": cfg.trainer.compile,
+            },
+            {f"test_{k}": v for k, v in test_metrics.items()}
+            | {"utterances_per_s": results["throughput"]["train_utterances_per_s"]},
+        )
+    finally:
+        tensorboard.close()
+    logger.info("results: %s", out_dir / "results.json")
+    return results

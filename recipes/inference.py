@@ -1,0 +1,94 @@
+"""Load a trained run (its config and best checkpoint) and label audio files with it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from amp_utils import AMPConfig, Checkpointer, TorchAutocast, resolve_device
+from amp_utils.precision import check_precision_supported
+from data.audio import load_audio
+from data.dataset import AudioDataset, collate_audio
+from data.manifest import Utterance
+from data.text import CharTokenizer, ctc_greedy_decode
+from recipes.experiment import LABELS_FILE, build_features, build_model
+
+
+class RunNotFoundError(FileNotFoundError):
+    """The path is not a run folder (or a checkpoint inside one)."""
+
+
+def find_run_dir(path: str | Path) -> Path:
+    """The run folder for a run folder, its ``checkpoints/`` or one ``CKPT+*`` inside it."""
+    path = Path(path).resolve()
+    for candidate in (path, path.parent, path.parent.parent):
+        if (candidate / ".hydra" / "config.yaml").is_file() and (candidate / LABELS_FILE).is_file():
+            return candidate
+    raise RunNotFoundError(
+        f"{path} is not a training run folder (no .hydra/config.yaml and {LABELS_FILE} found "
+        "there or above). Pass the folder that recipes/train.py wrote, e.g. outputs/..."
+    )
+
+
+@dataclass
+class TrainedModel:
+    """A trained recipe ready for inference on one device and precision."""
+
+    cfg: DictConfig
+    features: torch.nn.Module
+    model: torch.nn.Module
+    speakers: tuple[str, ...]
+    device: torch.device
+    amp: AMPConfig
+
+    @property
+    def task(self) -> str:
+        return str(self.cfg.model.task)
+
+    @torch.no_grad()
+    def label(self, audio_paths: list[str | Path]) -> list[str]:
+        """Transcripts (ASR) or speaker names (speaker ID) of the given audio files."""
+        utts = []
+        for i, path in enumerate(audio_paths):
+            wav = load_audio(path, self.cfg.data.sample_rate)  # fails clearly on bad audio
+            utts.append(
+                Utterance(
+                    str(i),
+                    str(path),
+                    len(wav) / self.cfg.data.sample_rate,
+                    "",
+                    self.speakers[0] if self.speakers else "",
+                )
+            )
+        dataset = AudioDataset(utts, self.cfg.data.sample_rate, None, speakers=self.speakers)
+        batch = collate_audio([dataset[i] for i in range(len(dataset))]).to(self.device)
+        with TorchAutocast(device_type=self.device.type, dtype=self.amp.dtype):
+            feats, feat_lens = self.features(batch.wavs, batch.wav_lens)
+            if self.task == "asr":
+                logits, out_lens = self.model(feats, feat_lens)
+                ids = ctc_greedy_decode(logits.float().log_softmax(-1), out_lens)
+                tokenizer = CharTokenizer()
+                return [tokenizer.decode(seq) for seq in ids]
+            logits = self.model(feats, feat_lens)
+        return [self.speakers[i] for i in logits.argmax(dim=-1).tolist()]
+
+
+def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32") -> TrainedModel:
+    """Rebuild the model of a run folder and load its best checkpoint."""
+    run_dir = find_run_dir(path)
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    labels = json.loads((run_dir / LABELS_FILE).read_text())
+    speakers = tuple(labels["speakers"])
+    dev = resolve_device(device)
+    amp = AMPConfig.from_name(precision)
+    check_precision_supported(amp, dev)
+    features, model = build_features(cfg), build_model(cfg, speakers)
+    ckpt = Checkpointer(run_dir / "checkpoints", {"module.model": model}, allow_partial_load=True)
+    key = {"min_key": "CER"} if cfg.model.task == "asr" else {"max_key": "accuracy"}
+    if ckpt.recover_if_possible(**key) is None:
+        raise RunNotFoundError(f"No readable checkpoint in {run_dir / 'checkpoints'}.")
+    return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), speakers, dev, amp)

@@ -1,0 +1,44 @@
+"""Label audio files with a trained run: transcripts (ASR) or speaker names (speaker ID).
+
+python recipes/transcribe.py outputs/fsdd_digits/conformer_ctc/default a.wav b.wav
+python recipes/transcribe.py RUN_DIR a.wav --precision bf16 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from amp_utils import CheckpointError, PrecisionNotSupportedError
+from data.errors import DataError
+from recipes.inference import RunNotFoundError, load_trained
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print ``<file>\\t<label>`` per audio file; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="run folder (or a checkpoint inside it)")
+    parser.add_argument("audio", nargs="+", help="audio files (any rate; resampled)")
+    parser.add_argument("--precision", default="fp32", help="fp32 | fp16 | bf16")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    args = parser.parse_args(argv)
+    try:
+        trained = load_trained(args.run, device=args.device, precision=args.precision)
+        labels = trained.label(args.audio)
+    except (
+        RunNotFoundError,
+        DataError,
+        CheckpointError,
+        PrecisionNotSupportedError,
+        ValueError,
+        RuntimeError,
+    ) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path, label in zip(args.audio, labels, strict=True):
+        print(f"{path}\t{label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

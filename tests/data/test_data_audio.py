@@ -1,0 +1,89 @@
+"""Audio loading, resampling and bad-file errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from data.audio import audio_info, check_audio_files, load_audio
+from data.errors import AudioError
+from data.manifest import Utterance
+
+
+def test_load_real_fsdd_file(fsdd_recordings: Path) -> None:
+    path = fsdd_recordings / "7_jackson_32.wav"
+    wav = load_audio(path, 8000)
+    frames, rate = audio_info(path)
+    assert rate == 8000
+    assert wav.dtype == torch.float32 and wav.dim() == 1 and wav.numel() == frames
+    assert wav.abs().max() <= 1.0 and wav.abs().max() > 0.01
+
+
+def test_stereo_16k_is_downmixed_and_resampled(tmp_path: Path) -> None:
+    t = np.arange(16000) / 16000
+    left = 0.5 * np.sin(2 * np.pi * 440 * t)
+    stereo = np.stack([left, np.zeros_like(left)], axis=1).astype(np.float32)
+    path = tmp_path / "stereo16k.wav"
+    soundfile.write(path, stereo, 16000, subtype="FLOAT")
+
+    native = load_audio(path, 16000)
+    assert native.shape == (16000,)
+    torch.testing.assert_close(native, torch.from_numpy(left.astype(np.float32)) / 2)
+
+    resampled = load_audio(path, 8000)
+    assert resampled.shape == (8000,) and resampled.dtype == torch.float32
+    assert audio_info(path) == (16000, 16000)
+
+
+def _make_bad_file(kind: str, tmp_path: Path, real: Path) -> Path:
+    path = tmp_path / f"{kind}.wav"
+    if kind == "zero_byte":
+        path.write_bytes(b"")
+    elif kind == "text":
+        path.write_text("this is not audio\n")
+    elif kind == "truncated_data":
+        path.write_bytes(real.read_bytes()[:1000])
+    elif kind == "truncated_header":
+        path.write_bytes(real.read_bytes()[:30])
+    elif kind == "no_samples":
+        soundfile.write(path, np.zeros((0, 1), dtype=np.float32), 8000, subtype="PCM_16")
+    elif kind != "missing":
+        raise AssertionError(kind)
+    return path
+
+
+BAD_KINDS = ["missing", "zero_byte", "text", "truncated_data", "truncated_header", "no_samples"]
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+@pytest.mark.parametrize("reader", [audio_info, lambda p: load_audio(p, 8000)])
+def test_bad_audio_raises_naming_file(
+    kind: str, reader, tmp_path: Path, fsdd_recordings: Path
+) -> None:
+    path = _make_bad_file(kind, tmp_path, fsdd_recordings / "0_george_0.wav")
+    with pytest.raises(AudioError, match="Fix:") as info:
+        reader(path)
+    assert str(path) in str(info.value)
+
+
+def test_check_audio_files_skips_or_raises(tmp_path: Path, fsdd_recordings: Path) -> None:
+    def utt(path: Path) -> Utterance:
+        return Utterance(path.stem, str(path), 1.0, "zero", "george")
+
+    good = [utt(fsdd_recordings / f"0_george_{i}.wav") for i in range(3)]
+    bad = [
+        utt(_make_bad_file(kind, tmp_path, fsdd_recordings / "0_george_0.wav"))
+        for kind in ("text", "missing")
+    ]
+    kept, skipped = check_audio_files([*good, *bad], skip_bad_files=True)
+    assert kept == good
+    assert [path for path, _ in skipped] == [u.path for u in bad]
+    assert all(reason for _, reason in skipped)
+
+    with pytest.raises(AudioError, match="data.skip_bad_files=true") as info:
+        check_audio_files([*good, *bad], skip_bad_files=False)
+    assert bad[0].path in str(info.value)

@@ -1,0 +1,83 @@
+"""AudioDataset, collate_audio and AudioBatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.dataset import AudioBatch, AudioDataset, collate_audio
+from data.errors import DataError
+from data.fsdd import FSDD_SPEAKERS
+from data.manifest import Utterance, read_manifest
+from data.sampler import DurationBatchSampler
+from data.text import CharTokenizer
+
+
+@pytest.fixture
+def dataset(small_connected: dict[str, Path]) -> AudioDataset:
+    return AudioDataset(
+        read_manifest(small_connected["train"]), 8000, CharTokenizer(), FSDD_SPEAKERS
+    )
+
+
+def test_item(dataset: AudioDataset) -> None:
+    item = dataset[0]
+    utt = dataset.utterances[0]
+    assert item["id"] == utt.id and item["transcript"] == utt.transcript
+    assert item["wav"].dtype == torch.float32 and item["wav"].numel() == round(utt.duration * 8000)
+    assert CharTokenizer().decode(item["tokens"].tolist()) == utt.transcript
+    assert FSDD_SPEAKERS[item["speaker"]] == utt.speaker
+    assert dataset.durations == [u.duration for u in dataset.utterances]
+
+
+def test_collate_shapes_and_padding(dataset: AudioDataset) -> None:
+    items = [dataset[i] for i in range(4)]
+    batch = collate_audio(items)
+    assert len(batch) == 4 and batch.ids == [item["id"] for item in items]
+    longest = max(item["wav"].numel() for item in items)
+    assert batch.wavs.shape == (4, longest) and batch.wavs.dtype == torch.float32
+    longest_tokens = max(item["tokens"].numel() for item in items)
+    assert batch.tokens.shape == (4, longest_tokens) and batch.tokens.dtype == torch.int64
+    for dtype_field in ("wav_lens", "token_lens", "speakers"):
+        assert getattr(batch, dtype_field).dtype == torch.int64
+    assert batch.durations.dtype == torch.float32
+    for row, item in enumerate(items):
+        n, m = item["wav"].numel(), item["tokens"].numel()
+        assert batch.wav_lens[row] == n and batch.token_lens[row] == m
+        torch.testing.assert_close(batch.wavs[row, :n], item["wav"])
+        assert not batch.wavs[row, n:].any() and not batch.tokens[row, m:].any()
+        assert torch.equal(batch.tokens[row, :m], item["tokens"])
+
+
+def test_dataloader_with_sampler(dataset: AudioDataset) -> None:
+    sampler = DurationBatchSampler(dataset.durations, max_batch_seconds=20.0, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_audio)
+    batches = list(loader)
+    assert len(batches) == len(sampler)
+    assert sum(len(b) for b in batches) == len(dataset)
+    moved = batches[0].to("cpu", non_blocking=True)
+    assert isinstance(moved, AudioBatch) and torch.equal(moved.wavs, batches[0].wavs)
+
+
+def test_bad_transcript_names_utterance(tmp_path: Path) -> None:
+    utts = [Utterance("utt-42", str(tmp_path / "a.wav"), 1.0, "seven 7", "theo")]
+    with pytest.raises(DataError, match="utt-42.*'7'"):
+        AudioDataset(utts, 8000, CharTokenizer(), FSDD_SPEAKERS)
+
+
+def test_unknown_speaker(tmp_path: Path) -> None:
+    utts = [Utterance("utt-1", str(tmp_path / "a.wav"), 1.0, "one", "alice")]
+    with pytest.raises(DataError, match="utt-1.*'alice'"):
+        AudioDataset(utts, 8000, CharTokenizer(), FSDD_SPEAKERS)
+
+
+def test_defaults_without_tokenizer_or_speakers(tmp_path: Path) -> None:
+    utts = [
+        Utterance("a", str(tmp_path / "a.wav"), 1.0, "anything 123", "theo"),
+        Utterance("b", str(tmp_path / "b.wav"), 1.0, "", "george"),
+    ]
+    data = AudioDataset(utts, 8000)
+    assert data.speakers == ("george", "theo") and data.speaker_ids == [1, 0]
+    assert data.tokens == [[], []]

@@ -1,0 +1,95 @@
+"""DurationBatchSampler: budget, coverage, determinism, distribution and resuming."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from data.errors import DataError
+from data.sampler import DurationBatchSampler
+
+DURATIONS = [random.Random(i).uniform(0.2, 3.0) for i in range(300)] + [15.0]
+BUDGET = 10.0
+
+
+def _epoch(sampler: DurationBatchSampler, epoch: int) -> list[list[int]]:
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_budget_respected_and_every_index_once() -> None:
+    sampler = DurationBatchSampler(DURATIONS, BUDGET, seed=3)
+    batches = _epoch(sampler, 0)
+    assert len(batches) == len(sampler)
+    for batch in batches:
+        padded = len(batch) * max(DURATIONS[i] for i in batch)
+        assert padded <= BUDGET or len(batch) == 1
+    assert sorted(i for batch in batches for i in batch) == list(range(len(DURATIONS)))
+    assert [len(DURATIONS) - 1] in batches  # the 15 s item is alone
+
+
+def test_deterministic_per_epoch_and_different_across_epochs() -> None:
+    first = DurationBatchSampler(DURATIONS, BUDGET, seed=3)
+    second = DurationBatchSampler(DURATIONS, BUDGET, seed=3)
+    assert _epoch(first, 4) == _epoch(second, 4)
+    assert _epoch(first, 4) != _epoch(first, 5)
+    assert _epoch(first, 4) != _epoch(DurationBatchSampler(DURATIONS, BUDGET, seed=4), 4)
+
+
+def test_no_shuffle_is_fixed_and_sorted() -> None:
+    sampler = DurationBatchSampler(DURATIONS, BUDGET, shuffle=False)
+    batches = _epoch(sampler, 0)
+    assert batches == _epoch(sampler, 1)
+    flat = [i for batch in batches for i in batch]
+    assert flat == sorted(range(len(DURATIONS)), key=lambda i: DURATIONS[i])
+
+
+def test_drop_last_drops_only_incomplete_batches() -> None:
+    full = _epoch(DurationBatchSampler(DURATIONS, BUDGET, seed=1), 0)
+    dropped = _epoch(DurationBatchSampler(DURATIONS, BUDGET, seed=1, drop_last=True), 0)
+    assert 0 < len(dropped) < len(full)
+    assert all(batch in full for batch in dropped)
+    for batch in full:
+        if batch not in dropped:  # only batches with room for one more item go
+            assert (len(batch) + 1) * max(DURATIONS[i] for i in batch) <= BUDGET
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_distributed_ranks_disjoint_equal_length(num_replicas: int) -> None:
+    samplers = [
+        DurationBatchSampler(DURATIONS, BUDGET, seed=5, num_replicas=num_replicas, rank=r)
+        for r in range(num_replicas)
+    ]
+    per_rank = [_epoch(s, 2) for s in samplers]
+    assert len({len(b) for b in per_rank}) == 1
+    assert all(len(b) == len(s) for b, s in zip(per_rank, samplers, strict=True))
+    seen = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(seen) == len(set(seen))
+    whole = _epoch(DurationBatchSampler(DURATIONS, BUDGET, seed=5), 2)
+    assert len(per_rank[0]) == len(whole) // num_replicas
+    assert per_rank[1] == whole[1 : num_replicas * len(per_rank[0]) : num_replicas]
+
+
+def test_skip_batches_is_one_shot() -> None:
+    sampler = DurationBatchSampler(DURATIONS, BUDGET, seed=9)
+    sampler.set_epoch(1)
+    full = list(sampler)
+    sampler.skip_batches(3)
+    assert len(sampler) == len(full) - 3
+    assert list(sampler) == full[3:]
+    assert len(sampler) == len(full)
+    assert list(sampler) == full
+
+
+@pytest.mark.parametrize("budget", [0, -5.0])
+def test_non_positive_budget_raises(budget: float) -> None:
+    with pytest.raises(DataError, match="must be positive.*data.max_batch_seconds=40"):
+        DurationBatchSampler(DURATIONS, budget)
+
+
+def test_bad_arguments_raise() -> None:
+    with pytest.raises(DataError, match="rank"):
+        DurationBatchSampler(DURATIONS, BUDGET, num_replicas=2, rank=2)
+    with pytest.raises(DataError, match="duration"):
+        DurationBatchSampler([], BUDGET)

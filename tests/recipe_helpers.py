@@ -1,0 +1,49 @@
+"""Helpers of the recipe tests: compose the real config, run the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from recipes.config import register_resolvers
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+
+#: Small, CPU-only, quick: a couple of batches, a couple of epochs, no progress bars.
+FAST = [
+    "device=cpu",
+    "device.num_workers=0",
+    "trainer.debug=true",
+    "trainer.debug_batches=2",
+    "trainer.debug_epochs=2",
+    "trainer.noprogressbar=true",
+    "trainer.log_interval_steps=1",
+    "data.max_batch_seconds=8",
+    "model.warmup_steps=2",
+]
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The real composed config with ``overrides`` (as ``recipes/train.py`` would get it)."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def run_cli(script: str, args: list[str], fsdd_root: Path, timeout: int = 600):
+    """Run ``recipes/<script>`` in a subprocess from the repo root; returns the result."""
+    env = {**os.environ, "FSDD_ROOT": str(fsdd_root), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "recipes" / script), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,0 +1,264 @@
+"""Tests of the ASR (Conformer-CTC) and speaker (x-vector) models: shapes, masking, autocast,
+torch.compile and tiny overfits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipes.asr.model import ConformerCTC, ctc_log_probs, ctc_loss
+from recipes.speaker.model import XVector, masked_mean_std
+
+N_MELS = 40
+LENGTHS = (61, 47, 23)  # deliberately not multiples of the subsampling factor
+
+
+def _padded_batch(lengths: tuple[int, ...], pad_value: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """Random features ``[B, max(lengths), N_MELS]``, padding filled with ``pad_value``."""
+    generator = torch.Generator().manual_seed(0)
+    feats = torch.randn(len(lengths), max(lengths), N_MELS, generator=generator)
+    for index, length in enumerate(lengths):
+        feats[index, length:] = pad_value
+    return feats, torch.tensor(lengths, dtype=torch.int64)
+
+
+def _small_conformer(**kwargs) -> ConformerCTC:
+    params = dict(d_model=64, num_layers=2, num_heads=4, ffn_dim=128, vocab_size=12)
+    return ConformerCTC(**{**params, **kwargs})
+
+
+def _greedy_decode(logits: torch.Tensor, out_lens: torch.Tensor) -> list[list[int]]:
+    """Best-path CTC decoding (collapse repeats, drop blank 0)."""
+    hypotheses = []
+    for frame_ids, length in zip(logits.argmax(-1).tolist(), out_lens.tolist(), strict=True):
+        tokens, previous = [], None
+        for token in frame_ids[:length]:
+            if token != previous and token != 0:
+                tokens.append(token)
+            previous = token
+        hypotheses.append(tokens)
+    return hypotheses
+
+
+def test_parameter_counts() -> None:
+    conformer = sum(p.numel() for p in ConformerCTC().parameters())
+    xvector = sum(p.numel() for p in XVector().parameters())
+    print(f"ConformerCTC default: {conformer:,} parameters; XVector default: {xvector:,}")
+    assert 1_500_000 <= conformer <= 3_000_000
+    assert 500_000 <= xvector <= 1_500_000
+
+
+@pytest.mark.parametrize("subsampling", [2, 4, 8])
+def test_conformer_shapes_and_out_lens(subsampling: int) -> None:
+    model = _small_conformer(subsampling=subsampling).eval()
+    feats, feat_lens = _padded_batch(LENGTHS)
+    logits, out_lens = model(feats, feat_lens)
+
+    expected = feat_lens.clone()
+    expected_frames = feats.shape[1]
+    for _ in range(subsampling.bit_length() - 1):  # each stride-2 3x3 conv: n -> (n - 1) // 2
+        expected = (expected - 1) // 2
+        expected_frames = (expected_frames - 1) // 2
+    assert logits.shape == (len(LENGTHS), expected_frames, 12)
+    assert out_lens.dtype == torch.int64
+    assert out_lens.tolist() == expected.tolist()
+    assert torch.isfinite(logits).all()
+
+
+def test_conformer_rejects_bad_subsampling() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        ConformerCTC(subsampling=3)
+
+
+def test_conformer_padded_batch_matches_single_utterances() -> None:
+    """Valid outputs must not depend on padding, even on absurd padding values."""
+    torch.manual_seed(0)
+    model = _small_conformer().eval()
+    feats, feat_lens = _padded_batch(LENGTHS, pad_value=1e3)
+    with torch.no_grad():
+        logits, out_lens = model(feats, feat_lens)
+        for index, length in enumerate(LENGTHS):
+            single, single_lens = model(
+                feats[index : index + 1, :length], feat_lens[index : index + 1]
+            )
+            valid = int(out_lens[index])
+            assert single_lens.item() == valid == single.shape[1]
+            torch.testing.assert_close(logits[index, :valid], single[0], atol=1e-4, rtol=1e-4)
+
+
+def test_conformer_too_short_utterance_gives_finite_outputs() -> None:
+    model = _small_conformer().eval()
+    feats, feat_lens = _padded_batch((40, 5))  # 5 frames -> 0 frames after subsampling
+    with torch.no_grad():
+        logits, out_lens = model(feats, feat_lens)
+    assert out_lens.tolist() == [9, 0]
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_conformer_autocast_low_precision_logits_fp32_loss(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = _small_conformer()
+    feats, feat_lens = _padded_batch(LENGTHS)
+    tokens = torch.randint(1, 12, (len(LENGTHS), 4))
+    token_lens = torch.tensor([4, 3, 2])
+    with torch.autocast("cpu", dtype=dtype):
+        logits, out_lens = model(feats, feat_lens)
+        log_probs = ctc_log_probs(logits)
+        loss = ctc_loss(log_probs, out_lens, tokens, token_lens)
+    assert logits.dtype == dtype
+    assert log_probs.dtype == torch.float32
+    assert loss.dtype == torch.float32 and loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_ctc_helpers_in_fp32_without_autocast() -> None:
+    logits = torch.randn(2, 10, 5, dtype=torch.bfloat16)
+    log_probs = ctc_log_probs(logits)
+    assert log_probs.dtype == torch.float32
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(2, 10))
+    # A target longer than the output is impossible: zero_infinity turns inf into 0.
+    loss = ctc_loss(
+        log_probs, torch.tensor([10, 2]), torch.ones(2, 6, dtype=torch.long), torch.tensor([3, 6])
+    )
+    assert torch.isfinite(loss)
+
+
+def test_conformer_torch_compile_dynamic_matches_eager() -> None:
+    """Full-graph capture with dynamic shapes (eager backend: checks tracing, stays fast)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _small_conformer(d_model=32, num_layers=1, ffn_dim=64, dropout=0.0)
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
+    for lengths in ((61, 47), (38, 38, 20)):
+        feats, feat_lens = _padded_batch(lengths)
+        logits, out_lens = compiled(feats, feat_lens)
+        expected, expected_lens = model(feats, feat_lens)
+        torch.testing.assert_close(logits, expected)
+        assert out_lens.tolist() == expected_lens.tolist()
+        logits.float().sum().backward()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["conformer", "xvector"])
+def test_torch_compile_inductor_backward(model_name: str) -> None:
+    """The real inductor backend, forward and backward, for two input lengths (slow on CPU)."""
+    torch._dynamo.reset()
+    model = _small_conformer() if model_name == "conformer" else XVector(channels=64)
+    compiled = torch.compile(model, dynamic=True)
+    for lengths in ((61, 47), (38, 30, 20)):
+        feats, feat_lens = _padded_batch(lengths)
+        output = compiled(feats, feat_lens)
+        logits = output[0] if isinstance(output, tuple) else output
+        logits.float().sum().backward()
+        assert torch.isfinite(logits).all()
+
+
+def test_conformer_overfits_two_utterances() -> None:
+    torch.manual_seed(0)
+    model = _small_conformer(dropout=0.0)
+    feats, feat_lens = _padded_batch((60, 45))
+    tokens = torch.tensor([[3, 5, 5, 7, 2], [9, 4, 1, 0, 0]])
+    token_lens = torch.tensor([5, 3])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    start = None
+    for _ in range(150):
+        logits, out_lens = model(feats, feat_lens)
+        loss = ctc_loss(ctc_log_probs(logits), out_lens, tokens, token_lens)
+        start = loss.item() if start is None else start
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        hypotheses = _greedy_decode(logits.detach(), out_lens)
+        if loss.item() < 0.3 * start and hypotheses == [[3, 5, 5, 7, 2], [9, 4, 1]]:
+            break
+    assert loss.item() < 0.3 * start, (start, loss.item())
+    assert hypotheses == [[3, 5, 5, 7, 2], [9, 4, 1]]
+
+
+def test_xvector_shapes() -> None:
+    model = XVector(num_speakers=6, embedding_dim=128).eval()
+    feats, feat_lens = _padded_batch(LENGTHS)
+    assert model(feats, feat_lens).shape == (3, 6)
+    assert model.embed(feats, feat_lens).shape == (3, 128)
+
+
+def test_xvector_padded_batch_matches_single_utterances() -> None:
+    torch.manual_seed(0)
+    model = XVector(channels=64, embedding_dim=32)
+    # Give BatchNorm non-trivial running statistics before switching to eval mode.
+    with torch.no_grad():
+        model(*_padded_batch(LENGTHS))
+    model.eval()
+    feats, feat_lens = _padded_batch(LENGTHS, pad_value=1e3)
+    with torch.no_grad():
+        logits = model(feats, feat_lens)
+        embeddings = model.embed(feats, feat_lens)
+        for index, length in enumerate(LENGTHS):
+            single_feats = feats[index : index + 1, :length]
+            single_lens = feat_lens[index : index + 1]
+            torch.testing.assert_close(logits[index], model(single_feats, single_lens)[0])
+            torch.testing.assert_close(embeddings[index], model.embed(single_feats, single_lens)[0])
+
+
+def test_masked_mean_std_fp32_under_autocast() -> None:
+    x = torch.randn(2, 3, 10)
+    mask = torch.tensor([[True] * 10, [True] * 4 + [False] * 6])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mean, std = masked_mean_std(x.bfloat16(), mask)
+    assert mean.dtype == std.dtype == torch.float32
+    reference = x.bfloat16().float()[1, :, :4]
+    torch.testing.assert_close(mean[1], reference.mean(-1))
+    torch.testing.assert_close(std[1], reference.std(-1, unbiased=False))
+    # Constant input: the variance clamp keeps std (and its gradient) finite.
+    constant = torch.ones(1, 2, 5, requires_grad=True)
+    _, std = masked_mean_std(constant, torch.ones(1, 5, dtype=torch.bool))
+    std.sum().backward()
+    assert torch.isfinite(constant.grad).all()
+
+
+def test_xvector_autocast_bf16_forward_backward() -> None:
+    model = XVector(channels=64, embedding_dim=32)
+    feats, feat_lens = _padded_batch(LENGTHS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(feats, feat_lens)
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2]))
+    assert logits.dtype == torch.bfloat16
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_xvector_torch_compile_dynamic() -> None:
+    """Compiles with dynamic shapes; the first call to ``masked_mean_std`` graph-breaks
+    inside ``fwd_default_precision`` (it builds its wrapper lazily), so no ``fullgraph``."""
+    torch._dynamo.reset()
+    model = XVector(channels=32, embedding_dim=16).eval()
+    compiled = torch.compile(model, dynamic=True, backend="eager")
+    for lengths in ((61, 47), (38, 30, 20)):
+        feats, feat_lens = _padded_batch(lengths)
+        torch.testing.assert_close(compiled(feats, feat_lens), model(feats, feat_lens))
+
+
+def test_xvector_separates_two_random_classes() -> None:
+    torch.manual_seed(0)
+    model = XVector(channels=64, embedding_dim=32, num_speakers=2, dropout=0.0)
+    generator = torch.Generator().manual_seed(1)
+    # Two "speakers": different mean spectra plus noise, varying lengths.
+    centers = torch.randn(2, 1, N_MELS, generator=generator)
+    labels = torch.tensor([0, 1] * 4)
+    feats = centers[labels] + 0.5 * torch.randn(8, 50, N_MELS, generator=generator)
+    feat_lens = torch.tensor([50, 44, 39, 50, 31, 47, 28, 36])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(50):
+        loss = torch.nn.functional.cross_entropy(model(feats, feat_lens), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        test_feats = centers[labels] + 0.5 * torch.randn(8, 50, N_MELS, generator=generator)
+        predictions = model(test_feats, feat_lens).argmax(-1)
+    assert (predictions == labels).all(), predictions

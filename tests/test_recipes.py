@@ -1,0 +1,257 @@
+"""End-to-end: real FSDD audio, the real config and entry points, a few steps on the CPU."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from amp_utils import Checkpointer
+from data.fsdd import prepare_fsdd_digits
+from recipes.config import validate_config
+from recipes.experiment import train
+from tests.recipe_helpers import FAST, compose_config, run_cli
+
+OPTIONS = {
+    "precision": ["fp32", "fp16", "bf16"],
+    "device": ["auto", "cpu", "cuda"],
+    "model": ["conformer_ctc", "xvector"],
+    "data": ["fsdd_digits", "fsdd_connected", "manifest"],
+}
+
+
+@pytest.fixture(scope="session")
+def prepared_digits(fsdd_root: Path, tmp_path_factory) -> Path:
+    """FSDD digit manifests, prepared once for the session."""
+    out = tmp_path_factory.mktemp("prepared_digits")
+    prepare_fsdd_digits(fsdd_root, out, download=False)
+    return out
+
+
+def fast_cfg(tmp_path: Path, fsdd_root: Path, prepared: Path, *extra: str):
+    return compose_config(
+        [
+            *FAST,
+            f"data.root={fsdd_root}",
+            f"data.prepared_dir={prepared}",
+            f"output_dir={tmp_path / 'run'}",
+            *extra,
+        ]
+    )
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def tags(event_dir: Path) -> dict[str, set[str]]:
+    """Scalar and text tags found in all event files below ``event_dir``."""
+    found = {"scalars": set(), "tensors": set()}
+    for events in event_dir.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        found["scalars"] |= set(acc.Tags()["scalars"])
+        found["tensors"] |= set(acc.Tags()["tensors"])
+    return found
+
+
+def test_every_config_option_composes_and_validates():
+    for values in itertools.product(*OPTIONS.values()):
+        overrides = [f"{group}={value}" for group, value in zip(OPTIONS, values, strict=True)]
+        cfg = compose_config([*overrides, "output_dir=unused"])
+        validate_config(cfg)
+        assert cfg.precision.name == values[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
+    tmp_path, fsdd_root, prepared_digits, precision
+):
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, f"precision={precision}")
+    results = train(cfg)
+    run = tmp_path / "run"
+    saved = json.loads((run / "results.json").read_text())
+    assert saved == json.loads(json.dumps(results))
+    assert saved["precision"] == precision and saved["device"] == "cpu"
+    assert saved["model"] == "conformer_ctc" and saved["task"] == "asr"
+    for key in ("CER", "WER", "loss"):
+        assert 0 <= saved["test_metrics"][key] < 1e4
+    assert saved["throughput"]["train_utterances_per_s"] > 0
+    assert saved["throughput"]["train_audio_seconds_per_s"] > 0
+    assert saved["peak_memory_mb"] > 0 and saved["wall_time_s"] > 0
+    assert saved["optimizer_steps"] == 4
+    assert "torch" in (run / "env.txt").read_text()
+    ckpts = Checkpointer(run / "checkpoints").list_checkpoints()
+    assert ckpts and all("CER" in c.meta for c in ckpts)
+    state = torch.load(ckpts[-1].path / "state.pt", weights_only=False)["state"]
+    assert "module.model" in state and "optimizer" in state
+    found = tags(run / "tb")
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/utterances_per_s",
+        "valid/loss",
+        "valid/CER",
+        "valid/WER",
+        "epoch/train_loss",
+    ):
+        assert tag in found["scalars"], tag
+    assert "valid/examples/text_summary" in found["tensors"]
+    assert any(t.startswith("hparam/") for t in found["scalars"]) or (
+        "_hparams_/session_start_info" in found["tensors"]
+    )
+
+
+def test_fp16_on_cpu_logs_loss_scale(tmp_path, fsdd_root, prepared_digits):
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "precision=fp16")
+    train(cfg)
+    assert "train/loss_scale" in tags(tmp_path / "run" / "tb")["scalars"]
+
+
+def test_speaker_id_run_reports_accuracy(tmp_path, fsdd_root, prepared_digits):
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "model=xvector", "precision=bf16")
+    results = train(cfg)
+    assert results["task"] == "speaker"
+    assert 0 <= results["test_metrics"]["accuracy"] <= 100
+    ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
+    assert all("accuracy" in c.meta for c in ckpts)
+
+
+def test_connected_digits_run_reports_wer(tmp_path, fsdd_root):
+    cfg = compose_config(
+        [
+            *FAST,
+            f"data.root={fsdd_root}",
+            "data=fsdd_connected",
+            f"data.prepared_dir={tmp_path / 'prep'}",
+            f"output_dir={tmp_path / 'run'}",
+            "data.num_train=12",
+            "data.num_valid=4",
+            "data.num_test=4",
+        ]
+    )
+    results = train(cfg)
+    assert set(results["test_metrics"]) == {"loss", "CER", "WER"}
+    rows = read_csv(tmp_path / "prep" / "test.csv")
+    assert len(rows) == 4 and all(2 <= len(r["transcript"].split()) <= 7 for r in rows)
+
+
+def test_manifest_data_trains_on_user_manifests(tmp_path, fsdd_root, prepared_digits):
+    for split in ("train", "valid", "test"):
+        rows = read_csv(prepared_digits / f"{split}.csv")[:12]
+        with open(tmp_path / f"{split}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            for row in rows:
+                row["path"] = str((prepared_digits / row["path"]).resolve())
+                writer.writerow(row)
+    cfg = compose_config(
+        [
+            *FAST,
+            "data=manifest",
+            "data.sample_rate=8000",
+            "data.features.n_fft=256",
+            "data.features.win_length=200",
+            "data.features.hop_length=80",
+            *(f"data.{s}={tmp_path / f'{s}.csv'}" for s in ("train", "valid", "test")),
+            f"output_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert train(cfg)["data"] == "manifest"
+
+
+def test_rerun_resumes_and_extends(tmp_path, fsdd_root, prepared_digits):
+    first = train(
+        fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.debug_epochs=1", "trainer.epochs=1")
+    )
+    assert first["optimizer_steps"] == 2
+    again = train(
+        fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.debug_epochs=2", "trainer.epochs=2")
+    )
+    assert again["optimizer_steps"] == 4  # one more epoch, not two
+
+
+@pytest.fixture(scope="session")
+def cli_run(fsdd_root, prepared_digits, tmp_path_factory) -> Path:
+    """One real ``recipes/train.py`` run (ASR, fp32) in its own folder."""
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    result = run_cli(
+        "train.py",
+        [*FAST, f"data.prepared_dir={prepared_digits}", f"hydra.run.dir={run_dir}"],
+        fsdd_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_cli_run_folder_holds_everything(cli_run):
+    for name in (
+        ".hydra/config.yaml",
+        ".hydra/overrides.yaml",
+        "train.log",
+        "env.txt",
+        "results.json",
+        "labels.json",
+        "checkpoints",
+        "tb",
+    ):
+        assert (cli_run / name).exists(), name
+    assert "test:" in (cli_run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_transcribe_prints_a_transcript_per_file(cli_run, fsdd_recordings, precision):
+    wavs = [fsdd_recordings / "3_theo_0.wav", fsdd_recordings / "7_george_1.wav"]
+    result = run_cli(
+        "transcribe.py",
+        [str(cli_run), *map(str, wavs), "--precision", precision, "--device", "cpu"],
+        fsdd_recordings,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split("\t") for line in result.stdout.rstrip("\n").split("\n")]
+    assert [row[0] for row in rows] == [str(w) for w in wavs]
+    assert all(set(row[1]) <= set("abcdefghijklmnopqrstuvwxyz' ") for row in rows)
+
+
+def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings):
+    result = run_cli(
+        "transcribe.py", [str(tmp_path), str(fsdd_recordings / "3_theo_0.wav")], fsdd_recordings
+    )
+    assert result.returncode == 2
+    assert "not a training run folder" in result.stderr
+
+
+def test_multirun_over_three_precisions_writes_summary(fsdd_root, prepared_digits, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        [
+            "-m",
+            "precision=fp32,fp16,bf16",
+            *FAST,
+            "trainer.debug_epochs=1",
+            f"data.prepared_dir={prepared_digits}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        fsdd_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_csv(sweep / "summary.csv")
+    assert sorted(r["precision"] for r in rows) == ["bf16", "fp16", "fp32"]
+    assert all(r["status"] == "ok" for r in rows)
+    fp32 = next(r for r in rows if r["precision"] == "fp32")
+    assert fp32["speed-up vs fp32"] == "1.00x"
+    assert "CER" in rows[0] and "WER" in rows[0]
+    markdown = (sweep / "summary.md").read_text()
+    assert markdown.count("\n|") >= 4 and "speed-up vs fp32" in markdown
+    assert "speed-up vs fp32" in result.stdout + result.stderr  # the table is printed
+    job_dirs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    for num, precision in enumerate(["fp32", "fp16", "bf16"]):  # folder names carry overrides
+        assert job_dirs[num].startswith(f"{num}_") and f"precision={precision}" in job_dirs[num]

@@ -1,0 +1,140 @@
+"""Tests of the sweep summary (summary.md / summary.csv) and its Hydra callback."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from amp_utils.sweep_summary import SweepSummaryCallback, summarize_sweep
+
+SPEEDS = {"fp32": 100.0, "fp16": 180.0, "bf16": 150.0}
+
+
+def _write_job(sweep_dir: Path, name: str, overrides: list[str], results: dict | None) -> None:
+    """A Hydra job folder: ``.hydra/overrides.yaml`` and, unless failed, ``results.json``."""
+    job_dir = sweep_dir / name
+    (job_dir / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(overrides), job_dir / ".hydra" / "overrides.yaml")
+    if results is not None:
+        (job_dir / "results.json").write_text(json.dumps(results))
+
+
+def _results(precision: str, overrides: list[str], **metrics: float) -> dict:
+    speed = SPEEDS[precision]
+    return {
+        "precision": precision,
+        "device": "cpu",
+        "device_name": "cpu (2 threads)",
+        "model": "conformer_ctc",
+        "task": "asr",
+        "data": "fsdd_digits",
+        "overrides": overrides,
+        "test_metrics": metrics or {"CER": 1.234, "WER": 3.4, "loss": 0.11},
+        "throughput": {"train_utterances_per_s": speed, "train_audio_seconds_per_s": speed / 2},
+        "peak_memory_mb": 812.5,
+        "wall_time_s": 301.2,
+        "epochs": 10,
+    }
+
+
+def _fake_sweep(sweep_dir: Path) -> None:
+    """fp32/fp16/bf16 runs of one model, one failed run, one run without an fp32 baseline."""
+    for index, precision in enumerate(("fp32", "fp16", "bf16")):
+        overrides = [f"precision={precision}", "trainer.epochs=10"]
+        _write_job(sweep_dir, str(index), overrides, _results(precision, overrides))
+    _write_job(sweep_dir, "3", ["precision=fp16", "trainer.epochs=20"], None)
+    overrides = ["precision=bf16", "trainer.epochs=20"]
+    _write_job(sweep_dir, "4", overrides, _results("bf16", overrides, accuracy=99.25))
+
+
+def test_summarize_sweep_rows_and_speedups(tmp_path: Path) -> None:
+    _fake_sweep(tmp_path)
+    rows = summarize_sweep(tmp_path)
+
+    assert [row["run"] for row in rows] == ["0", "1", "2", "3", "4"]  # by overrides, fp32 first
+    assert list(rows[0]) == [
+        "run",
+        "status",
+        "precision",
+        "device",
+        "model",
+        "data",
+        "CER",
+        "WER",
+        "loss",
+        "accuracy",
+        "utt/s",
+        "audio-s/s",
+        "speed-up vs fp32",
+        "peak memory MB",
+        "wall time s",
+    ]
+    by_run = {row["run"]: row for row in rows}
+    assert by_run["0"]["speed-up vs fp32"] == "1.00x"
+    assert by_run["1"]["speed-up vs fp32"] == "1.80x"
+    assert by_run["2"]["speed-up vs fp32"] == "1.50x"
+    assert by_run["4"]["speed-up vs fp32"] == "—"  # its fp32 counterpart does not exist
+    assert by_run["1"]["CER"] == "1.23" and by_run["1"]["accuracy"] == "—"
+    assert by_run["4"]["accuracy"] == "99.25" and by_run["4"]["CER"] == "—"
+    assert by_run["0"]["utt/s"] == "100.00" and by_run["0"]["audio-s/s"] == "50.00"
+    assert by_run["0"]["peak memory MB"] == "812.50" and by_run["0"]["wall time s"] == "301.20"
+    assert by_run["0"]["status"] == "ok"
+    assert by_run["3"]["status"] == "failed" and by_run["3"]["precision"] == "fp16"
+    assert by_run["3"]["utt/s"] == "—"
+
+    markdown = (tmp_path / "summary.md").read_text()
+    assert markdown.startswith("| run | status | precision |")
+    assert "| 1 | ok | fp16 | cpu | conformer_ctc | fsdd_digits | 1.23 |" in markdown
+    assert "| 3 | failed | fp16 |" in markdown
+    assert len(markdown.strip().splitlines()) == 2 + len(rows)
+
+    with open(tmp_path / "summary.csv", newline="") as handle:
+        assert list(csv.DictReader(handle)) == rows
+
+
+def test_speedup_compares_only_runs_that_differ_in_precision(tmp_path: Path) -> None:
+    """An fp32 run of another model or with other overrides is not a baseline."""
+    _write_job(
+        tmp_path, "a", ["precision=fp32", "lr=1"], _results("fp32", ["precision=fp32", "lr=1"])
+    )
+    other_model = _results("fp32", ["precision=fp32", "lr=2"])
+    other_model["model"] = "xvector"
+    _write_job(tmp_path, "b", ["precision=fp32", "lr=2"], other_model)
+    _write_job(
+        tmp_path, "c", ["precision=bf16", "lr=2"], _results("bf16", ["precision=bf16", "lr=2"])
+    )
+    by_run = {row["run"]: row for row in summarize_sweep(tmp_path)}
+    assert by_run["c"]["speed-up vs fp32"] == "—"
+    assert by_run["a"]["speed-up vs fp32"] == "1.00x"
+
+
+def test_unreadable_results_counts_as_failed(tmp_path: Path) -> None:
+    _write_job(tmp_path, "0", ["precision=bf16"], None)
+    (tmp_path / "0" / "results.json").write_text("{not json")
+    (row,) = summarize_sweep(tmp_path)
+    assert row["status"] == "failed" and row["precision"] == "bf16"
+
+
+def test_empty_sweep_writes_placeholder(tmp_path: Path) -> None:
+    assert summarize_sweep(tmp_path) == []
+    assert "No runs" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "summary.csv").read_text() == ""
+
+
+def test_callback_writes_summary_and_prints_table(tmp_path: Path, capsys) -> None:
+    _fake_sweep(tmp_path)
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    SweepSummaryCallback().on_multirun_end(config=config)
+    assert (tmp_path / "summary.md").is_file() and (tmp_path / "summary.csv").is_file()
+    printed = capsys.readouterr().out
+    assert "| 1 | ok | fp16 |" in printed and "1.80x" in printed
+
+
+def test_callback_is_instantiable_from_hydra_config() -> None:
+    from hydra.utils import instantiate
+
+    callback = instantiate({"_target_": "amp_utils.sweep_summary.SweepSummaryCallback"})
+    assert isinstance(callback, SweepSummaryCallback)
