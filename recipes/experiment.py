@@ -26,7 +26,7 @@ from data.text import CharTokenizer
 from recipes.asr.brain import ASRBrain
 from recipes.asr.model import ConformerCTC
 from recipes.audio_brain import AudioBrain
-from recipes.config import validate_config
+from recipes.config import ConfigError, validate_config
 from recipes.data_setup import DataBundle, build_data
 from recipes.speaker.brain import SpeakerBrain
 from recipes.speaker.model import XVector
@@ -182,12 +182,26 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
+def ensure_writable(out_dir: Path) -> Path:
+    """Create the run folder and check it is writable, before any work is done."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"Output folder {out_dir} is not writable ({err.strerror or err}); point the run "
+            "at a writable folder with hydra.run.dir=PATH (or output_dir=PATH in code)."
+        ) from err
+    return out_dir
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one experiment described by ``cfg``; returns what it writes to results.json."""
     start = time.time()
     validate_config(cfg)
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ensure_writable(Path(cfg.output_dir))
     seed_everything(cfg.seed)
     opts = run_options(cfg)
     device = resolve_device(opts.device)

@@ -1,0 +1,235 @@
+"""Bad input gets one clear message naming the problem and the fix, and a non-zero exit."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from amp_utils import CheckpointError
+from data.errors import AudioError, DataError, DatasetNotFoundError, ManifestError
+from recipes.config import ConfigError
+from recipes.experiment import train
+from tests.recipe_helpers import FAST, compose_config, run_cli
+
+FIELDS = ["id", "path", "duration", "transcript", "speaker"]
+
+
+def cli_error(args: list[str], fsdd_root: Path) -> str:
+    """Run train.py expecting failure; returns its stderr."""
+    result = run_cli("train.py", args, fsdd_root, timeout=300)
+    assert result.returncode != 0
+    return result.stderr
+
+
+def test_unknown_precision_lists_choices(fsdd_root):
+    err = cli_error(["precision=fp8"], fsdd_root)
+    assert "Could not find 'precision/fp8'" in err
+    assert "bf16" in err and "fp16" in err and "fp32" in err
+
+
+def test_unknown_device_lists_choices(fsdd_root):
+    err = cli_error(["device=tpu"], fsdd_root)
+    assert "Available options in 'device'" in err and "cuda" in err
+
+
+def test_misspelled_key_is_named(fsdd_root):
+    err = cli_error(["trainer.epohcs=3"], fsdd_root)
+    assert "epohcs" in err and "not in struct" in err
+
+
+def test_zero_epochs_fails_with_one_line(fsdd_root, tmp_path):
+    err = cli_error(["trainer.epochs=0", f"hydra.run.dir={tmp_path}"], fsdd_root)
+    assert "error: trainer.epochs=0 is not valid; it must be a positive integer" in err
+    assert "Traceback" not in err
+
+
+def test_missing_data_without_network_says_where_and_how(fsdd_root, tmp_path):
+    err = cli_error(
+        [
+            f"data.root={tmp_path / 'nowhere'}",
+            "data.download=false",
+            f"data.prepared_dir={tmp_path / 'prep'}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        fsdd_root,
+    )
+    assert "error:" in err and "Traceback" not in err
+    assert str(tmp_path / "nowhere") in err
+    assert "free-spoken-digit-dataset" in err and "data.root" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
+    err = cli_error(["device=cuda", f"hydra.run.dir={tmp_path}"], fsdd_root)
+    assert "error:" in err and "no CUDA GPU" in err and "device=cpu" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.max_batch_seconds=-1", "data.max_batch_seconds=-1 is not valid"),
+        ("data.max_batch_seconds=0", "data.max_batch_seconds=0 is not valid"),
+        ("device.name=tpu", "choose one of: auto, cpu, cuda, cuda:N"),
+        ("precision.name=fp8", "choose one of: fp32, fp16, bf16"),
+        ("trainer.compile_mode=fastest", "choose one of: default, reduce-overhead"),
+        ("model.task=speaker", "does not fit model.name='conformer_ctc'"),
+    ],
+)
+def test_bad_values_fail_before_any_work(tmp_path, override, message):
+    cfg = compose_config([*FAST, override, f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        train(cfg)
+
+
+def test_output_folder_not_writable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = compose_config([*FAST, f"output_dir={blocker / 'run'}"])
+    with pytest.raises(ConfigError, match="not writable.*hydra.run.dir"):
+        train(cfg)
+
+
+# ------------------------------------------------------------------ manifests
+
+
+@pytest.fixture
+def manifests(tmp_path, fsdd_recordings):
+    """Valid train/valid/test manifests of a few FSDD files; tests then break one."""
+    wavs = sorted(fsdd_recordings.glob("*_theo_1*.wav"))[:6]
+    rows = [
+        {
+            "id": w.stem,
+            "path": str(w),
+            "duration": "0.5",
+            "transcript": [
+                "zero",
+                "one",
+                "two",
+                "three",
+                "four",
+                "five",
+                "six",
+                "seven",
+                "eight",
+                "nine",
+            ][int(w.name[0])],
+            "speaker": "theo",
+        }
+        for w in wavs
+    ]
+    paths = {}
+    for split in ("train", "valid", "test"):
+        paths[split] = tmp_path / f"{split}.csv"
+        write_rows(paths[split], rows)
+    return paths, rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def manifest_cfg(tmp_path, paths, *extra):
+    return compose_config(
+        [
+            *FAST,
+            "data=manifest",
+            "data.sample_rate=8000",
+            "data.features.n_fft=256",
+            "data.features.win_length=200",
+            "data.features.hop_length=80",
+            *(f"data.{s}={p}" for s, p in paths.items()),
+            f"output_dir={tmp_path / 'run'}",
+            *extra,
+        ]
+    )
+
+
+def broken_file(tmp_path: Path, kind: str, fsdd_recordings: Path) -> Path:
+    path = tmp_path / f"{kind}.wav"
+    real = (fsdd_recordings / "0_theo_10.wav").read_bytes()
+    if kind == "zero_bytes":
+        path.write_bytes(b"")
+    elif kind == "text_as_wav":
+        path.write_text("this is not audio\n" * 20)
+    elif kind == "truncated":
+        path.write_bytes(real[: len(real) // 3])
+    return path
+
+
+@pytest.mark.parametrize("kind", ["zero_bytes", "text_as_wav", "truncated"])
+def test_bad_audio_file_is_named(tmp_path, manifests, fsdd_recordings, kind):
+    paths, rows = manifests
+    bad = broken_file(tmp_path, kind, fsdd_recordings)
+    write_rows(paths["train"], [*rows, {**rows[0], "id": "bad", "path": str(bad)}])
+    with pytest.raises(AudioError, match=f"{bad.name}.*skip_bad_files"):
+        train(manifest_cfg(tmp_path, paths))
+
+
+def test_bad_audio_files_can_be_skipped_and_counted(tmp_path, manifests, fsdd_recordings):
+    paths, rows = manifests
+    extra = [
+        {**rows[0], "id": kind, "path": str(broken_file(tmp_path, kind, fsdd_recordings))}
+        for kind in ("zero_bytes", "text_as_wav", "truncated")
+    ]
+    write_rows(paths["train"], [*rows, *extra])
+    results = train(manifest_cfg(tmp_path, paths, "data.skip_bad_files=true"))
+    assert results["skipped_files"] == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ("empty", ManifestError, "has no utterances"),
+        ("missing_file", ManifestError, "does_not_exist.wav"),
+        ("duplicate_ids", ManifestError, "[Dd]uplicate"),
+        ("bad_chars", DataError, "7up"),
+        ("missing_manifest", ManifestError, "nope.csv"),
+    ],
+)
+def test_bad_manifests_are_named(tmp_path, manifests, change, error, message):
+    paths, rows = manifests
+    if change == "empty":
+        write_rows(paths["train"], [])
+    elif change == "missing_file":
+        write_rows(paths["train"], [*rows, {**rows[0], "id": "x", "path": "does_not_exist.wav"}])
+    elif change == "duplicate_ids":
+        write_rows(paths["train"], [*rows, rows[0]])
+    elif change == "bad_chars":
+        write_rows(paths["train"], [*rows, {**rows[0], "id": "x", "transcript": "7up!"}])
+    else:
+        paths = {**paths, "train": tmp_path / "nope.csv"}
+    with pytest.raises(error, match=message):
+        train(manifest_cfg(tmp_path, paths))
+
+
+def test_empty_data_folder_without_network(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cfg = compose_config(
+        [
+            *FAST,
+            f"data.root={tmp_path / 'empty'}",
+            "data.download=false",
+            f"data.prepared_dir={tmp_path / 'prep'}",
+            f"output_dir={tmp_path / 'run'}",
+        ]
+    )
+    with pytest.raises(DatasetNotFoundError, match="data.root"):
+        train(cfg)
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, manifests):
+    paths, _ = manifests
+    train(manifest_cfg(tmp_path, paths, "trainer.debug_epochs=1", "trainer.epochs=1"))
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("CKPT+*"))
+    before = [(c / "state.pt").read_bytes() for c in ckpts]
+    with pytest.raises(CheckpointError, match="different model"):
+        train(manifest_cfg(tmp_path, paths, "model=xvector", "trainer.epochs=2"))
+    assert [(c / "state.pt").read_bytes() for c in ckpts] == before  # nothing touched
+    shutil.rmtree(tmp_path / "run")
