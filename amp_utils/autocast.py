@@ -112,17 +112,22 @@ def fwd_default_precision(
     if fwd is None:
         return functools.partial(fwd_default_precision, cast_inputs=cast_inputs)
 
-    wrapped_by_device: dict[str, Callable] = {}
+    # Built once here, not on first call, so that torch.compile traces straight through.
+    wrapped_by_device = {
+        device_type: torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)
+        for device_type in ("cuda", "cpu")
+    }
 
     @functools.wraps(fwd)
     def wrapper(*args: Any, force_allow_autocast: bool = False, **kwargs: Any) -> Any:
         if force_allow_autocast:
             return fwd(*args, **kwargs)
         device_type = _first_tensor_device_type(args, kwargs)
-        if device_type not in wrapped_by_device:
-            wrapped_by_device[device_type] = torch.amp.custom_fwd(
+        wrapped = wrapped_by_device.get(device_type)
+        if wrapped is None:  # other backends: their own custom_fwd, made when first seen
+            wrapped = wrapped_by_device[device_type] = torch.amp.custom_fwd(
                 fwd, device_type=device_type, cast_inputs=cast_inputs
             )
-        return wrapped_by_device[device_type](*args, **kwargs)
+        return wrapped(*args, **kwargs)
 
     return wrapper

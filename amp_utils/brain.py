@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from enum import Enum, auto
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -64,6 +64,38 @@ class NonFiniteLossError(RuntimeError):
 
 class TrainingInterrupted(SystemExit):
     """SIGTERM/SIGINT arrived; a checkpoint was saved and the run can be resumed."""
+
+
+class _StepInfo(NamedTuple):
+    """Device-side results of an optimizer step, read by the lagged bookkeeping."""
+
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor  # bool scalar
+
+
+class _PendingBatch(NamedTuple):
+    """A trained batch whose loss (and step results) are not read from the device yet."""
+
+    step: int
+    loss: torch.Tensor
+    step_info: _StepInfo | None
+
+
+def _step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """``optimizer.step()`` unless ``skip``; without a host sync for fused optimizers.
+
+    Fused Adam/AdamW/SGD read ``found_inf`` (the GradScaler protocol) and skip the update
+    inside the kernel; other optimizers need the flag on the host.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale = None
+        optimizer.found_inf = skip.to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+    elif not bool(skip):
+        optimizer.step()
 
 
 class _ScalerState:
@@ -153,7 +185,10 @@ class Brain:
         self.last_grad_norm: torch.Tensor | None = None
         self.train_stats = {"time_s": 0.0, "utterances": 0, "audio_s": 0.0}
         self._resume_step = 0  # training batches already done in the interrupted epoch
-        self._accumulated_batches = 0  # finite-loss batches since the last optimizer step
+        self._pending: list[_PendingBatch] = []  # batches whose values are not read yet
+        self._window_finite: torch.Tensor | None = None  # all losses finite since last step
+        self._avg_count = 0  # finite losses in the running average
+        self._epoch_start = time.perf_counter()
         self._epoch_counter: Any = None
         self._stop_signal: int | None = None
         self._last_ckpt_time = time.time()
@@ -191,7 +226,13 @@ class Brain:
         """Called after each training batch."""
 
     def batch_stats(self, batch: Any) -> tuple[int, float]:
-        """(utterances, audio seconds) of a batch, for throughput; override for audio."""
+        """(utterances, audio seconds) of a batch, for throughput; override for audio.
+
+        The default counts the leading dimension of the batch (or of its first tensor).
+        """
+        first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            return int(first.shape[0]), 0.0
         try:
             return len(batch), 0.0
         except TypeError:
@@ -266,34 +307,46 @@ class Brain:
 
     # ------------------------------------------------------------- one batch
     def fit_batch(self, batch: Any) -> torch.Tensor:
-        """Train on one batch: autocast forward, scaled backward, step every N batches."""
+        """Train on one batch: autocast forward, scaled backward, step every N batches.
+
+        Nothing here waits for the device: the loss comes back as a device tensor, a step
+        with a non-finite loss (or, with ``skip_nonfinite_grads``, non-finite gradients) is
+        skipped on the device, and the bookkeeping that needs values (running loss,
+        non-finite patience, step counters, LR schedule) runs one step later, when they
+        are ready. This keeps the GPU queue full for small, launch-bound speech models.
+        """
         should_step = self.step % self.run_opts.grad_accumulation_factor == 0
         self.on_fit_batch_start(batch, should_step)
         with TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype):
             outputs = self.compute_forward(batch, Stage.TRAIN)
             loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
-        if self.check_loss_isfinite(loss):
-            self.scaler.scale(loss / self.run_opts.grad_accumulation_factor).backward()
-            self._accumulated_batches += 1
-        if should_step:
-            self.optimizers_step()
+        finite = torch.isfinite(loss.detach())
+        self._window_finite = (
+            finite if self._window_finite is None else self._window_finite & finite
+        )
+        self.scaler.scale(loss / self.run_opts.grad_accumulation_factor).backward()
+        step_info = self.optimizers_step() if should_step else None
+        self._pending.append(_PendingBatch(self.step, loss.detach(), step_info))
         self.on_fit_batch_end(batch, outputs, loss, should_step)
-        return loss.detach().cpu()
+        return loss.detach()
 
     def check_loss_isfinite(self, loss: torch.Tensor) -> bool:
-        """True if the loss is finite; counts and skips non-finite ones.
+        """True if the loss is finite; counts non-finite ones (the step is skipped).
 
         Raises:
             NonFiniteLossError: after more than ``nonfinite_patience`` consecutive ones.
         """
+        return self._count_nonfinite(loss, self.step)
+
+    def _count_nonfinite(self, loss: torch.Tensor, step: int) -> bool:
         if bool(torch.isfinite(loss)):
             self.nonfinite_count = 0
             return True
         self.nonfinite_count += 1
         logger.warning(
-            "Non-finite loss (%s) at step %d, batch skipped (%d in a row, patience %d).",
+            "Non-finite loss (%s) at batch %d: step skipped (%d in a row, patience %d).",
             float(loss.detach()),
-            self.step,
+            step,
             self.nonfinite_count,
             self.run_opts.nonfinite_patience,
         )
@@ -315,47 +368,63 @@ class Brain:
             if p.grad is not None
         ]
 
-    def optimizers_step(self) -> None:
-        """Unscale, clip all parameter groups, step through the scaler, then zero grads."""
+    def optimizers_step(self) -> _StepInfo | None:
+        """Unscale, clip all parameter groups, step through the scaler, then zero grads.
+
+        Returns the step's gradient norm and whether it was skipped, both as device
+        tensors (read later by the bookkeeping, so that nothing waits here).
+        """
+        self._flush_pending()  # the previous step's values are ready by now
+        window_finite, self._window_finite = self._window_finite, None
         if not self.optimizers_dict:
-            return
-        accumulated, self._accumulated_batches = self._accumulated_batches, 0
-        if accumulated == 0:  # every batch of this step had a non-finite loss
-            self.skipped_steps += 1
-            self.zero_grad(set_to_none=True)
-            return
+            return None
         for opt in self.optimizers_dict.values():
             self.scaler.unscale_(opt)
         params = self._trained_parameters()
-        if self.run_opts.max_grad_norm > 0 and params:
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, self.run_opts.max_grad_norm
-            )
-        elif params:
-            self.last_grad_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
-            )
-        if (
-            self.run_opts.skip_nonfinite_grads
-            and not self.scaler.is_enabled()
-            and self.last_grad_norm is not None
-            and not bool(torch.isfinite(self.last_grad_norm))
-        ):
-            logger.warning("Non-finite gradients at step %d: step skipped.", self.step)
-            self.skipped_steps += 1
+        if not params:
             self.zero_grad(set_to_none=True)
-            return
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        for opt in self.optimizers_dict.values():
-            self.scaler.step(opt)
-        self.scaler.update()
-        if scale_before is not None and self.scaler.get_scale() < scale_before:
-            self.skipped_steps += 1  # inf/NaN gradients: the scaler skipped this step
+            return None
+        if self.run_opts.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.run_opts.max_grad_norm)
         else:
-            self.optimizer_step += 1
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # Skip on a non-finite loss in the window (and non-finite gradients if asked);
+        # fp16's scaler additionally skips any step with inf/NaN gradients.
+        skip = (
+            ~window_finite
+            if window_finite is not None
+            else torch.zeros((), dtype=torch.bool, device=grad_norm.device)
+        )
+        if self.run_opts.skip_nonfinite_grads or self.scaler.is_enabled():
+            skip = skip | ~torch.isfinite(grad_norm)
+        for opt in self.optimizers_dict.values():
+            if self.scaler.is_enabled():
+                self.scaler.step(opt)
+            else:
+                _step_unless(opt, skip)
+        self.scaler.update()
         self.zero_grad(set_to_none=True)
+        return _StepInfo(grad_norm.detach(), skip)
+
+    def _flush_pending(self) -> None:
+        """Account for the batches whose values are pending (syncs with the device)."""
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self._account(item)
+
+    def _account(self, item: _PendingBatch) -> None:
+        if self._count_nonfinite(item.loss, item.step):
+            self._avg_count += 1
+            self.avg_train_loss += (float(item.loss) - self.avg_train_loss) / self._avg_count
+        if item.step_info is not None:
+            if bool(item.step_info.skipped):
+                self.skipped_steps += 1
+            else:
+                self.optimizer_step += 1
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            self.last_grad_norm = item.step_info.grad_norm
+        self._log_train_step(item)
 
     @torch.no_grad()
     def evaluate_batch(self, batch: Any, stage: Stage) -> torch.Tensor:
@@ -431,11 +500,11 @@ class Brain:
         skipped_by_sampler = self._set_loader_epoch(train_set, epoch, skip)
         self.step = skip
         if skip == 0:
-            self.avg_train_loss = 0.0
+            self.avg_train_loss, self._avg_count = 0.0, 0
         total = len(train_set) if hasattr(train_set, "__len__") else None
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
-        start = time.perf_counter()
+        self._epoch_start = time.perf_counter()
         with tqdm(
             train_set,
             initial=skip,
@@ -453,37 +522,37 @@ class Brain:
                     break
                 utterances, audio_s = self.batch_stats(batch)
                 self.step += 1
-                loss = self.fit_batch(batch)
-                self.avg_train_loss = self.update_average(loss, self.avg_train_loss)
+                self.fit_batch(batch)
                 self.train_stats["utterances"] += utterances
                 self.train_stats["audio_s"] += audio_s
                 self._resume_step = self.step
-                bar.set_postfix(train_loss=f"{self.avg_train_loss:.4f}")
-                self._log_train_step(loss, utterances, start)
+                if self.step % self.run_opts.log_interval_steps == 0:
+                    bar.set_postfix(train_loss=f"{self.avg_train_loss:.4f}", refresh=False)
                 if self.step % self.run_opts.grad_accumulation_factor == 0:
                     self._maybe_save_intra_epoch()
+        self._flush_pending()
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.train_stats["time_s"] += time.perf_counter() - start
+        self.train_stats["time_s"] += time.perf_counter() - self._epoch_start
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
 
-    def _log_train_step(self, loss: torch.Tensor, utterances: int, start: float) -> None:
-        if self.tensorboard is None or self.optimizer_step % self.run_opts.log_interval_steps:
+    def _log_train_step(self, item: _PendingBatch) -> None:
+        if self.tensorboard is None or item.step % self.run_opts.log_interval_steps:
             return
-        scalars: dict[str, float] = {"train/loss": float(loss)}
+        scalars: dict[str, float] = {"train/loss": float(item.loss)}
         if self.optimizer is not None:
             scalars["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        if self.last_grad_norm is not None:
-            scalars["train/grad_norm"] = float(self.last_grad_norm)
+        if item.step_info is not None:
+            scalars["train/grad_norm"] = float(item.step_info.grad_norm)
         if self.scaler.is_enabled():
             scalars["train/loss_scale"] = self.scaler.get_scale()
         scalars["train/skipped_steps"] = self.skipped_steps
-        elapsed = self.train_stats["time_s"] + time.perf_counter() - start
+        elapsed = self.train_stats["time_s"] + time.perf_counter() - self._epoch_start
         if elapsed > 0:
             scalars["train/utterances_per_s"] = self.train_stats["utterances"] / elapsed
-        self.tensorboard.log_scalars(scalars, step=self.optimizer_step)
+        self.tensorboard.log_scalars(scalars, step=self.optimizer_step + self.skipped_steps)
 
     def _fit_valid(self, valid_set: DataLoader | None, epoch: int, enable: bool) -> None:
         if valid_set is None:
@@ -570,6 +639,7 @@ class Brain:
         """Save a mid-epoch checkpoint, keeping only the newest mid-epoch one."""
         if self.checkpointer is None:
             return
+        self._flush_pending()
         self.checkpointer.save_and_keep_only(
             meta={INTRA_EPOCH_FLAG: True},
             end_of_epoch=False,

@@ -116,18 +116,17 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
 
 
 def build_brain(
-    cfg: DictConfig, data: DataBundle, out_dir: Path, tensorboard: TensorBoardLogger
+    cfg: DictConfig, data: DataBundle, out_dir: Path | None, tensorboard: TensorBoardLogger | None
 ) -> AudioBrain:
     """Model, features, optimizer, schedule and checkpointer wired into the task's Brain."""
     opts = run_options(cfg)
-    device = resolve_device(opts.device)
     modules: dict[str, torch.nn.Module] = {
         "features": build_features(cfg),
         "model": build_model(cfg, data.speakers),
     }
     if cfg.data.spec_augment:
         modules["augment"] = SpecAugment()
-    fused = bool(cfg.trainer.fused_optimizer) and device.type == "cuda"
+    fused = bool(cfg.trainer.fused_optimizer)  # fused kernels skip bad steps without a sync
     steps_per_epoch = math.ceil(len(data.train) / cfg.trainer.grad_accumulation_factor)
 
     def opt_class(params: Any) -> torch.optim.Optimizer:
@@ -156,7 +155,7 @@ def build_brain(
             "tensorboard": tensorboard,
         },
         run_opts=opts,
-        checkpointer=Checkpointer(out_dir / "checkpoints"),
+        checkpointer=Checkpointer(out_dir / "checkpoints") if out_dir is not None else None,
     )
 
 

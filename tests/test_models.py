@@ -142,19 +142,36 @@ def test_conformer_torch_compile_dynamic_matches_eager() -> None:
         logits.float().sum().backward()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model_name", ["conformer", "xvector"])
-def test_torch_compile_inductor_backward(model_name: str) -> None:
-    """The real inductor backend, forward and backward, for two input lengths (slow on CPU)."""
+def _compile_forward_backward(model_name: str, device: str, dtype: torch.dtype) -> None:
+    """Inductor, dynamic shapes, training mode, three batch shapes, forward and backward."""
     torch._dynamo.reset()
-    model = _small_conformer() if model_name == "conformer" else XVector(channels=64)
+    torch.manual_seed(0)
+    small = model_name == "conformer"
+    model = (_small_conformer() if small else XVector(channels=64)).to(device)
     compiled = torch.compile(model, dynamic=True)
-    for lengths in ((61, 47), (38, 30, 20)):
-        feats, feat_lens = _padded_batch(lengths)
-        output = compiled(feats, feat_lens)
+    for lengths in ((61, 47, 80), (38, 30), (120, 100, 90, 20)):
+        feats, feat_lens = (t.to(device) for t in _padded_batch(lengths))
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            output = compiled(feats, feat_lens)
         logits = output[0] if isinstance(output, tuple) else output
         logits.float().sum().backward()
         assert torch.isfinite(logits).all()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["conformer", "xvector"])
+def test_torch_compile_inductor_cpu(model_name: str) -> None:
+    """The real inductor backend on CPU (about 2.5 minutes on 2 cores for the Conformer)."""
+    _compile_forward_backward(model_name, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model_name", ["conformer", "xvector"])
+def test_torch_compile_inductor_cuda_autocast(model_name: str, dtype: torch.dtype) -> None:
+    _compile_forward_backward(model_name, "cuda", dtype)
 
 
 def test_conformer_overfits_two_utterances() -> None:

@@ -66,7 +66,12 @@ class Conv2dSubsampling(nn.Module):
 
     def forward(self, feats: Tensor, feat_lens: Tensor) -> tuple[Tensor, Tensor]:
         """Subsample ``[B, T, n_mels]`` features to ``[B, T', d_model]`` and their lengths."""
-        x = self.convs(feats.unsqueeze(1))  # [B, C, T', F']
+        # Zero the padding, and make the conv input a computed tensor rather than a view:
+        # inductor (torch 2.11) cannot order the symbolic strides of a saved size-1-channel
+        # view under dynamic shapes (valid outputs never see padding either way).
+        valid = torch.arange(feats.shape[1], device=feats.device).view(-1, 1)
+        valid = valid < feat_lens.view(-1, 1, 1, 1)  # [B, 1, T, 1]
+        x = self.convs(feats.unsqueeze(1).masked_fill(~valid, 0.0))  # [B, C, T', F']
         batch, channels, frames, freq = x.shape
         x = x.transpose(1, 2).reshape(batch, frames, channels * freq)
         return self.out(x), self.output_lengths(feat_lens)
@@ -97,7 +102,11 @@ class SelfAttention(nn.Module):
     Args:
         d_model: feature size.
         num_heads: number of heads; must divide ``d_model``.
-        dropout: dropout on attention weights (training only) and on the output.
+        dropout: dropout on the attention output.
+
+    There is no dropout on the attention weights: ``scaled_dot_product_attention`` with
+    ``dropout_p > 0`` fails to compile under inductor with dynamic shapes on CUDA (torch
+    2.11, ``CantSplit`` in the lowering), and output dropout regularizes enough here.
     """
 
     def __init__(self, d_model: int, num_heads: int, dropout: float) -> None:
@@ -105,7 +114,6 @@ class SelfAttention(nn.Module):
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
-        self.dropout = dropout
         self.norm = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -116,13 +124,7 @@ class SelfAttention(nn.Module):
         batch, frames, d_model = x.shape
         qkv = self.qkv(self.norm(x)).view(batch, frames, 3, self.num_heads, -1)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, d_head]
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask)
         out = out.transpose(1, 2).reshape(batch, frames, d_model)
         return self.out_dropout(self.proj(out))
 
@@ -247,10 +249,13 @@ class ConformerCTC(nn.Module):
         num_frames = x.shape[1]
         positions = sinusoidal_positions(num_frames, self.d_model, x.device)
         x = self.input_dropout(x * math.sqrt(self.d_model) + positions.to(x.dtype))
-        frame_mask = _length_mask(out_lens, num_frames)
-        # At least one valid key per row, so an utterance too short to survive subsampling
-        # gives finite (ignored) outputs instead of NaN from an all-masked softmax.
-        key_mask = _length_mask(out_lens.clamp(min=1), num_frames)[:, None, None, :]
+        positions_index = torch.arange(num_frames, device=x.device)
+        frame_mask = positions_index < out_lens.unsqueeze(1)  # [B, T']
+        # [B, 1, 1, T'] key mask built by broadcasting, not by unsqueezing a [B, T'] mask:
+        # inductor (torch 2.11) fails on size-1 views with symbolic strides under
+        # dynamic shapes. At least one valid key per row, so an utterance too short to
+        # survive subsampling gives finite (ignored) outputs instead of NaN.
+        key_mask = positions_index < out_lens.clamp(min=1).view(-1, 1, 1, 1)
         for block in self.blocks:
             x = block(x, frame_mask, key_mask)
         return self.output(x), out_lens

@@ -1,0 +1,70 @@
+"""Benchmark training steps: precisions, the Brain loop against a bare loop, real data.
+
+    python recipes/benchmark.py device=cuda                      # fp32, fp32+TF32, fp16, bf16
+    python recipes/benchmark.py device=cuda trainer.compile=true benchmark.batch_size=256
+
+Writes ``benchmark.json`` and ``benchmark.md`` into the run folder and prints the table.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from amp_utils.atomic import atomic_write_json, atomic_write_text
+from amp_utils.precision import resolve_device
+from recipes.benchmarking import run_benchmark, summarize
+from recipes.config import register_resolvers, validate_config
+from recipes.data_setup import build_data
+from recipes.experiment import build_brain, device_name, run_options, seed_everything
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+log = logging.getLogger(__name__)
+register_resolvers()
+
+
+def benchmark(cfg: DictConfig) -> list[dict]:
+    """Run the benchmark described by ``cfg``; returns one row per (precision, mode)."""
+    validate_config(cfg)
+    device = resolve_device(run_options(cfg).device)
+    data = build_data(cfg, device)
+
+    def build(run_cfg: DictConfig):
+        seed_everything(cfg.seed)
+        return build_brain(run_cfg, data, None, None), data.train
+
+    rows = run_benchmark(cfg, build)
+    out = Path(cfg.output_dir)
+    table = summarize(rows)
+    header = (
+        f"device: {device_name(device)}; torch {torch.__version__}; model {cfg.model.name}; "
+        f"batch {cfg.benchmark.batch_size} x {cfg.benchmark.utterance_seconds}s synthetic; "
+        f"compile={cfg.trainer.compile}\n\n"
+    )
+    atomic_write_text(out / "benchmark.md", header + table + "\n")
+    atomic_write_json(
+        out / "benchmark.json",
+        {
+            "device": device_name(device),
+            "torch": torch.__version__,
+            "config": OmegaConf.to_container(cfg.benchmark),
+            "compile": cfg.trainer.compile,
+            "model": cfg.model.name,
+            "rows": rows,
+        },
+    )
+    print(header + table)
+    return rows
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="benchmark")
+def main(cfg: DictConfig) -> None:
+    benchmark(cfg)
+
+
+if __name__ == "__main__":
+    main()

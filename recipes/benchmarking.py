@@ -1,0 +1,228 @@
+"""Training-step benchmark: the recipe's Brain loop against a bare PyTorch loop.
+
+For each precision it times (a) ``bare``: a minimal loop (autocast + GradScaler + fused
+AdamW + clipping, nothing else) over fixed-shape synthetic batches pre-staged on the
+device, (b) ``brain``: ``Brain.fit_batch`` over the same batches and (c) ``loader``: the
+Brain over the real DataLoader. Warm-up steps are excluded; on CUDA, per-step times come
+from CUDA events (the device timeline, no sync between steps) and the device is
+synchronised only around a measurement.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from amp_utils.autocast import PRECISIONS
+from amp_utils.memory import peak_memory_mb, reset_peak_memory
+from amp_utils.precision import configure_tf32
+from data.dataset import AudioBatch
+from recipes.asr.model import ctc_log_probs, ctc_loss
+from recipes.audio_brain import AudioBrain
+from recipes.speaker.brain import classification_loss
+
+
+def synthetic_batch(cfg: DictConfig, device: torch.device, num_speakers: int) -> AudioBatch:
+    """A fixed-shape batch of noise 'utterances' with 5-character targets, on ``device``."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    size, seconds = cfg.benchmark.batch_size, cfg.benchmark.utterance_seconds
+    samples = int(seconds * cfg.data.sample_rate)
+    return AudioBatch(
+        ids=[str(i) for i in range(size)],
+        wavs=0.1 * torch.randn(size, samples, generator=gen),
+        wav_lens=torch.full((size,), samples, dtype=torch.int64),
+        tokens=torch.randint(1, 27, (size, 5), generator=gen),
+        token_lens=torch.full((size,), 5, dtype=torch.int64),
+        speakers=torch.randint(0, num_speakers, (size,), generator=gen),
+        transcripts=["x"] * size,
+        durations=torch.full((size,), float(seconds)),
+    ).to(device)
+
+
+def bare_step_fn(brain: AudioBrain, precision: str) -> Callable[[AudioBatch], None]:
+    """The reference loop: autocast, GradScaler, fused AdamW, clipping, and nothing else."""
+    modules, device = brain.modules, brain.device
+    params = [p for p in modules.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    dtype = PRECISIONS[precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    asr = brain.metric_key == "CER"
+
+    def step(batch: AudioBatch) -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            feats, feat_lens = modules.features(batch.wavs, batch.wav_lens)
+            if "augment" in modules:
+                feats = modules.augment(feats)
+            if asr:
+                logits, out_lens = modules.model(feats, feat_lens)
+                loss = ctc_loss(ctc_log_probs(logits), out_lens, batch.tokens, batch.token_lens)
+            else:
+                loss = classification_loss(modules.model(feats, feat_lens), batch.speakers)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, 5.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def brain_step_fn(brain: AudioBrain) -> Callable[[AudioBatch], None]:
+    """One training step through the Brain, as its fit loop does it."""
+
+    def step(batch: AudioBatch) -> None:
+        brain.step += 1
+        brain.fit_batch(batch)
+
+    return step
+
+
+def time_steps(
+    step: Callable[[AudioBatch], None],
+    batches: Iterator[AudioBatch],
+    warmup: int,
+    steps: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Run ``warmup`` + ``steps`` steps; per-step seconds and totals of the timed ones."""
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        step(next(batches))
+    if cuda:
+        torch.cuda.synchronize(device)
+    reset_peak_memory(device)
+    marks: list[Any] = []
+    utterances, audio_s = 0, 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        batch = next(batches)
+        utterances += len(batch)
+        audio_s += float(batch.durations.sum()) if batch.durations.device.type == "cpu" else 0.0
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
+        else:
+            marks.append(time.perf_counter())
+        step(batch)
+    if cuda:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        torch.cuda.synchronize(device)
+        marks.append(end)
+        per_step = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+    else:
+        marks.append(time.perf_counter())
+        per_step = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    total = time.perf_counter() - start
+    per_step.sort()
+    return {
+        "steps": steps,
+        "seconds": total,
+        "steps_per_s": steps / total,
+        "utterances": utterances,
+        "audio_seconds": audio_s,
+        "p50_step_ms": 1e3 * statistics.median(per_step),
+        "p90_step_ms": 1e3 * per_step[int(0.9 * (len(per_step) - 1))],
+        "peak_memory_mb": peak_memory_mb(device),
+    }
+
+
+def cycle(items: list[AudioBatch]) -> Iterator[AudioBatch]:
+    """Endless iterator over ``items``."""
+    while True:
+        yield from items
+
+
+def loader_batches(loader: Any) -> Iterator[AudioBatch]:
+    """Endless iterator over a DataLoader, epoch after epoch."""
+    epoch = 0
+    while True:
+        loader.batch_sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of the measurements, with the ratios the targets are stated in."""
+    base = {(r["mode"]): r for r in rows if r["precision"] == "fp32" and not r.get("tf32")}
+    bare = {r["precision"] + str(r.get("tf32", False)): r for r in rows if r["mode"] == "bare"}
+    brain = {r["precision"] + str(r.get("tf32", False)): r for r in rows if r["mode"] == "brain"}
+    lines = [
+        "| mode | precision | steps/s | utt/s | audio-s/s | p50 ms | p90 ms | peak MB | "
+        "vs fp32 | Brain/bare | loader/synthetic |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        key = r["precision"] + str(r.get("tf32", False))
+        ref = base.get(r["mode"])
+        vs_fp32 = r["utt_per_s"] / ref["utt_per_s"] if ref else float("nan")
+        brain_bare = (
+            brain[key]["utt_per_s"] / bare[key]["utt_per_s"]
+            if r["mode"] == "brain" and key in bare
+            else float("nan")
+        )
+        loader_syn = (
+            r["utt_per_s"] / brain[key]["utt_per_s"]
+            if r["mode"] == "loader" and key in brain
+            else float("nan")
+        )
+        name = r["precision"] + ("+tf32" if r.get("tf32") else "")
+        lines.append(
+            f"| {r['mode']} | {name} | {r['steps_per_s']:.2f} | {r['utt_per_s']:.0f} | "
+            f"{r['audio_s_per_s']:.0f} | {r['p50_step_ms']:.1f} | {r['p90_step_ms']:.1f} | "
+            f"{r['peak_memory_mb']:.0f} | {vs_fp32:.2f} | {brain_bare:.2f} | {loader_syn:.2f} |"
+        )
+    return "\n".join(lines).replace("| nan |", "| — |").replace("| nan |", "| — |")
+
+
+def run_benchmark(cfg: DictConfig, build: Callable[[DictConfig], tuple[AudioBrain, Any]]) -> list:
+    """Time every (precision, mode) of ``cfg.benchmark``; ``build`` makes brain + loader."""
+    rows = []
+    variants = [(p, False) for p in cfg.benchmark.precisions]
+    if cfg.benchmark.tf32_baseline and "fp32" in cfg.benchmark.precisions:
+        variants.insert(1, ("fp32", True))
+    for precision, tf32 in variants:
+        run_cfg = OmegaConf.merge(
+            cfg, {"precision": {"name": precision, "eval_precision": precision, "allow_tf32": tf32}}
+        )
+        brain, loader = build(run_cfg)
+        if brain.device.type != "cuda" and tf32:
+            continue
+        configure_tf32(brain.device, tf32)
+        brain.on_fit_start()
+        brain.modules.train()
+        batch = synthetic_batch(cfg, brain.device, len(brain.hparams.speakers))
+        for mode in cfg.benchmark.modes:
+            if mode == "bare":
+                step, batches = bare_step_fn(brain, precision), cycle([batch])
+            elif mode == "brain":
+                step, batches = brain_step_fn(brain), cycle([batch])
+            else:
+                step, batches = brain_step_fn(brain), loader_batches(loader)
+            stats = time_steps(
+                step, batches, cfg.benchmark.warmup_steps, cfg.benchmark.steps, brain.device
+            )
+            brain._flush_pending()
+            if mode != "loader":
+                stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
+            rows.append(
+                {
+                    "mode": mode,
+                    "precision": precision,
+                    "tf32": tf32,
+                    "utt_per_s": stats["utterances"] / stats["seconds"],
+                    "audio_s_per_s": stats["audio_seconds"] / stats["seconds"],
+                    **stats,
+                }
+            )
+        del brain, loader
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
