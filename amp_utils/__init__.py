@@ -4,7 +4,11 @@ from amp_utils.autocast import PRECISIONS, AMPConfig, TorchAutocast, fwd_default
 from amp_utils.brain import Brain, NonFiniteLossError, Stage, TrainingInterrupted
 from amp_utils.checkpoint import Checkpoint, Checkpointer, CheckpointError
 from amp_utils.epoch_counter import EpochCounter
-from amp_utils.precision import PrecisionNotSupportedError, resolve_device
+from amp_utils.precision import (
+    DeviceNotAvailableError,
+    PrecisionNotSupportedError,
+    resolve_device,
+)
 from amp_utils.run_options import RunOptions
 
 __all__ = [
@@ -13,6 +17,7 @@ __all__ = [
     "Brain",
     "Checkpoint",
     "CheckpointError",
+    "DeviceNotAvailableError",
     "Checkpointer",
     "EpochCounter",
     "NonFiniteLossError",

@@ -17,6 +17,10 @@ class PrecisionNotSupportedError(RuntimeError):
     """The requested precision cannot run on the requested device."""
 
 
+class DeviceNotAvailableError(RuntimeError):
+    """The requested device (e.g. a CUDA GPU) is not present on this machine."""
+
+
 def resolve_device(name: str | torch.device) -> torch.device:
     """Turn ``auto``/``cpu``/``cuda``/``cuda:N`` into a device, failing clearly if absent.
 
@@ -38,13 +42,13 @@ def resolve_device(name: str | torch.device) -> torch.device:
         )
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise DeviceNotAvailableError(
                 f"device={name} was requested but no CUDA GPU is available "
                 "(torch.cuda.is_available() is False). Use device=cpu or device=auto."
             )
         index = device.index or 0
         if index >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise DeviceNotAvailableError(
                 f"device={name} was requested but only {torch.cuda.device_count()} GPU(s) "
                 "are visible. Use device=cuda or device=cuda:0."
             )

@@ -124,8 +124,11 @@ def build_brain(
         "features": build_features(cfg),
         "model": build_model(cfg, data.speakers),
     }
-    if cfg.data.spec_augment:
-        modules["augment"] = SpecAugment()
+    aug = cfg.data.spec_augment
+    if aug.enabled:
+        modules["augment"] = SpecAugment(
+            aug.freq_mask, aug.time_mask, aug.n_freq_masks, aug.n_time_masks
+        )
     fused = bool(cfg.trainer.fused_optimizer)  # fused kernels skip bad steps without a sync
     steps_per_epoch = math.ceil(len(data.train) / cfg.trainer.grad_accumulation_factor)
 

@@ -17,7 +17,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from amp_utils import CheckpointError, NonFiniteLossError, PrecisionNotSupportedError
+from amp_utils import (
+    CheckpointError,
+    DeviceNotAvailableError,
+    NonFiniteLossError,
+    PrecisionNotSupportedError,
+)
 from data.errors import DataError
 from recipes.config import ConfigError, register_resolvers
 from recipes.experiment import train
@@ -29,6 +34,7 @@ USER_ERRORS = (
     CheckpointError,
     NonFiniteLossError,
     PrecisionNotSupportedError,
+    DeviceNotAvailableError,
 )
 
 log = logging.getLogger(__name__)
@@ -40,12 +46,8 @@ def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the test loss (for sweepers that optimise it)."""
     try:
         results = train(cfg)
-    except USER_ERRORS as err:
+    except USER_ERRORS as err:  # bad input: one line, no traceback
         log.error("%s: %s", type(err).__name__, err)
-        sys.exit(f"error: {err}")
-    except RuntimeError as err:
-        if "device=" not in str(err):  # device problems (no GPU...) are user errors too
-            raise
         sys.exit(f"error: {err}")
     return results["test_metrics"]["loss"]
 

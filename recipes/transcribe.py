@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from amp_utils import CheckpointError, PrecisionNotSupportedError
+from amp_utils import CheckpointError, DeviceNotAvailableError, PrecisionNotSupportedError
 from data.errors import DataError
 from recipes.inference import RunNotFoundError, load_trained
 
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         DataError,
         CheckpointError,
         PrecisionNotSupportedError,
+        DeviceNotAvailableError,
         ValueError,
-        RuntimeError,
     ) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -29,6 +29,29 @@ FAST = [
 ]
 
 
+#: data=manifest over FSDD files (8 kHz), for tests that write their own manifests.
+MANIFEST_8K = [
+    "data=manifest",
+    "data.sample_rate=8000",
+    "data.features.n_fft=256",
+    "data.features.win_length=200",
+    "data.features.hop_length=80",
+]
+
+
+def manifest_config(manifests: dict[str, Path], output_dir: Path, *extra: str) -> DictConfig:
+    """The fast config over the given train/valid/test manifests."""
+    return compose_config(
+        [
+            *FAST,
+            *MANIFEST_8K,
+            *(f"data.{s}={p}" for s, p in manifests.items()),
+            f"output_dir={output_dir}",
+            *extra,
+        ]
+    )
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """The real composed config with ``overrides`` (as ``recipes/train.py`` would get it)."""
     register_resolvers()

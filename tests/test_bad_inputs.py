@@ -13,7 +13,7 @@ from amp_utils import CheckpointError
 from data.errors import AudioError, DataError, DatasetNotFoundError, ManifestError
 from recipes.config import ConfigError
 from recipes.experiment import train
-from tests.recipe_helpers import FAST, compose_config, run_cli
+from tests.recipe_helpers import FAST, compose_config, manifest_config, run_cli
 
 FIELDS = ["id", "path", "duration", "transcript", "speaker"]
 
@@ -31,9 +31,17 @@ def test_unknown_precision_lists_choices(fsdd_root):
     assert "bf16" in err and "fp16" in err and "fp32" in err
 
 
-def test_unknown_device_lists_choices(fsdd_root):
-    err = cli_error(["device=tpu"], fsdd_root)
-    assert "Available options in 'device'" in err and "cuda" in err
+@pytest.mark.parametrize(
+    ("override", "group", "choice"),
+    [
+        ("device=tpu", "device", "cuda"),
+        ("model=wav2vec", "model", "xvector"),
+        ("data=librispeech", "data", "fsdd_connected"),
+    ],
+)
+def test_unknown_group_option_lists_choices(fsdd_root, override, group, choice):
+    err = cli_error([override], fsdd_root)
+    assert f"Available options in '{group}'" in err and choice in err
 
 
 def test_misspelled_key_is_named(fsdd_root):
@@ -136,19 +144,7 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def manifest_cfg(tmp_path, paths, *extra):
-    return compose_config(
-        [
-            *FAST,
-            "data=manifest",
-            "data.sample_rate=8000",
-            "data.features.n_fft=256",
-            "data.features.win_length=200",
-            "data.features.hop_length=80",
-            *(f"data.{s}={p}" for s, p in paths.items()),
-            f"output_dir={tmp_path / 'run'}",
-            *extra,
-        ]
-    )
+    return manifest_config(paths, tmp_path / "run", *extra)
 
 
 def broken_file(tmp_path: Path, kind: str, fsdd_recordings: Path) -> Path:

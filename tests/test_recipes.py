@@ -15,7 +15,7 @@ from amp_utils import Checkpointer
 from data.fsdd import prepare_fsdd_digits
 from recipes.config import validate_config
 from recipes.experiment import train
-from tests.recipe_helpers import FAST, compose_config, run_cli
+from tests.recipe_helpers import FAST, compose_config, manifest_config, run_cli
 
 OPTIONS = {
     "precision": ["fp32", "fp16", "bf16"],
@@ -152,18 +152,8 @@ def test_manifest_data_trains_on_user_manifests(tmp_path, fsdd_root, prepared_di
             for row in rows:
                 row["path"] = str((prepared_digits / row["path"]).resolve())
                 writer.writerow(row)
-    cfg = compose_config(
-        [
-            *FAST,
-            "data=manifest",
-            "data.sample_rate=8000",
-            "data.features.n_fft=256",
-            "data.features.win_length=200",
-            "data.features.hop_length=80",
-            *(f"data.{s}={tmp_path / f'{s}.csv'}" for s in ("train", "valid", "test")),
-            f"output_dir={tmp_path / 'run'}",
-        ]
-    )
+    splits = {s: tmp_path / f"{s}.csv" for s in ("train", "valid", "test")}
+    cfg = manifest_config(splits, tmp_path / "run")
     assert train(cfg)["data"] == "manifest"
 
 
@@ -176,6 +166,37 @@ def test_rerun_resumes_and_extends(tmp_path, fsdd_root, prepared_digits):
         fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.debug_epochs=2", "trainer.epochs=2")
     )
     assert again["optimizer_steps"] == 4  # one more epoch, not two
+
+
+def test_resume_with_another_precision_drops_the_loss_scaler(
+    tmp_path, fsdd_root, prepared_digits, caplog
+):
+    """Documented behaviour: precision may change on resume; fp16's scaler state is dropped."""
+    train(
+        fast_cfg(
+            tmp_path,
+            fsdd_root,
+            prepared_digits,
+            "precision=fp16",
+            "trainer.debug_epochs=1",
+            "trainer.epochs=1",
+        )
+    )
+    resumed = train(
+        fast_cfg(
+            tmp_path,
+            fsdd_root,
+            prepared_digits,
+            "precision=bf16",
+            "trainer.debug_epochs=2",
+            "trainer.epochs=2",
+        )
+    )
+    assert (
+        resumed["precision"] == "bf16"
+        and resumed["optimizer_steps"] + resumed["skipped_steps"] == 4
+    )
+    assert "fp16 loss scaler state is dropped" in caplog.text
 
 
 @pytest.fixture(scope="session")
