@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: its asyncio variant creates a second loader iterator
 
 from amp_utils.autocast import AMPConfig, TorchAutocast
 from amp_utils.checkpoint import Checkpoint, Checkpointer

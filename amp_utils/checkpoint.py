@@ -67,6 +67,19 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _delete(path: Path) -> None:
+    """Delete a checkpoint atomically: rename it out of sight first, then remove it.
+
+    A kill during ``rmtree`` would otherwise leave a half-deleted ``CKPT+*`` folder.
+    """
+    hidden = path.with_name(f"{TMP_PREFIX}deleted-{path.name}")
+    try:
+        os.replace(path, hidden)
+    except OSError:
+        return
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
 def _all_finite(state: Any) -> bool:
     """Whether every floating-point tensor inside ``state`` (nested dicts/lists) is finite."""
     if isinstance(state, torch.Tensor):
@@ -138,7 +151,9 @@ class Checkpointer:
                 "Point the run at a writable folder (hydra.run.dir=PATH)."
             ) from err
         self._seq += 1
-        name = f"{CKPT_PREFIX}{time.strftime('%Y-%m-%d+%H-%M-%S')}+{time.time_ns() % 10**9:09d}"
+        now = time.time_ns()  # one clock reading: names sort in save order
+        stamp = time.strftime("%Y-%m-%d+%H-%M-%S", time.localtime(now // 10**9))
+        name = f"{CKPT_PREFIX}{stamp}+{now % 10**9:09d}"
         tmp_dir = self.checkpoints_dir / f"{TMP_PREFIX}{name}"
         final_dir = self.checkpoints_dir / name
         try:
@@ -214,7 +229,10 @@ class Checkpointer:
                 keep.add(best.path)
         for ckpt in ckpts:
             if ckpt.path not in keep:
-                shutil.rmtree(ckpt.path, ignore_errors=True)
+                _delete(ckpt.path)
+        # Leftovers of a process killed while saving or deleting.
+        for stale in self.checkpoints_dir.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
 
     # ---------------------------------------------------------------- finding
     def list_checkpoints(self, verify: bool = True) -> list[Checkpoint]:

@@ -25,7 +25,7 @@ from tests.recipe_helpers import FAST, REPO_ROOT
 
 ARGS = [
     *FAST,
-    "trainer.debug_batches=5",
+    "trainer.debug_batches=8",
     "trainer.debug_epochs=3",
     "trainer.epochs=3",
     "trainer.ckpt_interval_steps=1",
@@ -49,11 +49,25 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return state["module.model"]
 
 
+STEPS = 3 * 8  # epochs x batches: one checkpoint per step (+ one per epoch end)
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    names = sorted(p.name for p in (run_dir / "checkpoints").glob("CKPT+*"))
+    return names[-1] if names else None
+
+
 def run_with_kills(run_dir: Path, prepared: Path, env: dict, kills: int, seed: int) -> int:
-    """Restart until the run completes, SIGKILLing the first ``kills`` attempts."""
+    """SIGKILL ``kills`` attempts at random moments, then let the run finish.
+
+    Each attempt is killed after a random number of new checkpoints (0 = during start-up),
+    at most ``STEPS / (kills + 1)``, plus a random delay within a step, so the kill points
+    spread over the whole run, checkpoint writes included, and the run cannot finish
+    before the last kill.
+    """
     rng = random.Random(seed)
     killed = 0
-    for _ in range(kills + 20):
+    while killed < kills:
         proc = subprocess.Popen(
             command(run_dir, prepared),
             cwd=REPO_ROOT,
@@ -62,24 +76,34 @@ def run_with_kills(run_dir: Path, prepared: Path, env: dict, kills: int, seed: i
             stderr=subprocess.PIPE,
             text=True,
         )
-        if killed < kills:
-            # Startup takes ~4 s; training with per-step checkpoints follows.
-            deadline = time.monotonic() + rng.uniform(4.0, 14.0)
-            while proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-                killed += 1
-                # Every checkpoint left behind must be readable (none half-written).
-                ckpt = Checkpointer(run_dir / "checkpoints")
-                for found in ckpt.list_checkpoints():
-                    torch.load(found.path / "state.pt", weights_only=False)
-                continue
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        return killed
-    raise AssertionError("the run never finished")
+        wanted = rng.randint(0, STEPS // (kills + 1))
+        seen, last = 0, newest_checkpoint(run_dir)
+        while proc.poll() is None and seen < wanted:
+            newest = newest_checkpoint(run_dir)
+            if newest != last:
+                seen, last = seen + 1, newest
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.3))
+        assert proc.poll() is None, "the run finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed += 1
+        # Every checkpoint left behind must be complete and readable.
+        folders = sorted((run_dir / "checkpoints").glob("CKPT+*"))
+        readable = Checkpointer(run_dir / "checkpoints").list_checkpoints()
+        assert [c.path for c in readable] == folders
+        for found in readable:
+            torch.load(found.path / "state.pt", weights_only=False)
+    result = subprocess.run(
+        command(run_dir, prepared),
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return killed
 
 
 def kill_resume_check(tmp_path: Path, fsdd_root: Path, prepared: Path, kills: int) -> None:
@@ -89,8 +113,7 @@ def kill_resume_check(tmp_path: Path, fsdd_root: Path, prepared: Path, kills: in
         command(reference, prepared), cwd=REPO_ROOT, env=env, check=True, capture_output=True
     )
     killed_run = tmp_path / "killed"
-    killed = run_with_kills(killed_run, prepared, env, kills, seed=kills)
-    assert killed == kills
+    assert run_with_kills(killed_run, prepared, env, kills, seed=kills) == kills
     expected, got = final_state(reference), final_state(killed_run)
     assert expected.keys() == got.keys()
     for key in expected:
