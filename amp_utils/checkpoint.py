@@ -109,7 +109,6 @@ class Checkpointer:
         self.checkpoints_dir = Path(checkpoints_dir)
         self.recoverables: dict[str, Recoverable] = {}
         self.allow_partial_load = allow_partial_load
-        self._seq = 0
         if recoverables:
             self.add_recoverables(recoverables)
 
@@ -150,7 +149,6 @@ class Checkpointer:
                 f"Cannot create checkpoint folder {self.checkpoints_dir}: {err}. "
                 "Point the run at a writable folder (hydra.run.dir=PATH)."
             ) from err
-        self._seq += 1
         now = time.time_ns()  # one clock reading: names sort in save order
         stamp = time.strftime("%Y-%m-%d+%H-%M-%S", time.localtime(now // 10**9))
         name = f"{CKPT_PREFIX}{stamp}+{now % 10**9:09d}"
