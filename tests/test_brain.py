@@ -458,3 +458,20 @@ def test_sigterm_saves_checkpoint_and_exits_with_resume_hint(tmp_path):
     [saved] = ckpt.list_checkpoints()
     assert not saved.end_of_epoch
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_brain_trains_on_cuda_with_fused_adamw(cuda_device, precision):
+    from amp_utils import PRECISIONS
+
+    brain = RegressionBrain(
+        {"model": make_model()},
+        lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+        run_opts=run_opts(device="cuda", precision=precision, max_grad_norm=1.0),
+    )
+    brain.fit(range(2), DataLoader(make_data(), batch_size=8))
+    assert brain.optimizer_step + brain.skipped_steps == 8
+    assert brain.seen_dtypes[Stage.TRAIN] == PRECISIONS[precision]
+    assert brain.scaler.is_enabled() == (precision == "fp16")
+    assert all(torch.isfinite(p).all() for p in brain.modules.parameters())
