@@ -132,6 +132,22 @@ def test_bf16_on_gpu_without_bf16_fails_clearly(monkeypatch):
         check_precision_supported(AMPConfig.from_name("bf16"), torch.device("cuda"))
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_on_an_unsupported_device_type_fails_clearly(precision):
+    from amp_utils.autocast import AMPConfig
+    from amp_utils.precision import check_precision_supported
+
+    with pytest.raises(PrecisionNotSupportedError, match=f"precision={precision}.*fp32"):
+        check_precision_supported(AMPConfig.from_name(precision), torch.device("meta"))
+
+
+def test_unknown_device_names_the_choices():
+    from amp_utils import resolve_device
+
+    with pytest.raises(ValueError, match="auto, cpu, cuda, cuda:N"):
+        resolve_device("tpu")
+
+
 class ConstantGradBrain(Brain):
     """Loss = 1000 * sum of all parameters: every gradient element is 1000."""
 
