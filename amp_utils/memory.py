@@ -2,22 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (CUDA only; CPU RSS peaks cannot be reset)."""
+    """Start a new peak-memory window.
+
+    On CUDA this resets the allocator's peak; on Linux CPUs it resets the process's peak
+    RSS (``VmHWM``), so that the runs of a sweep in one process are measured separately.
+    """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    # Not Linux, or not allowed: the peak then covers the whole process.
+    with contextlib.suppress(OSError):
+        _CLEAR_REFS.write_text("5")
+
+
+def _vm_hwm_mb() -> float | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**10  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def peak_memory_mb(device: torch.device) -> float:
     """Peak GPU memory allocated by tensors on CUDA; the process's peak RSS on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    hwm = _vm_hwm_mb()
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is in KiB on Linux and bytes on macOS.
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
