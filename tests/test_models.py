@@ -279,3 +279,10 @@ def test_xvector_separates_two_random_classes() -> None:
         test_feats = centers[labels] + 0.5 * torch.randn(8, 50, N_MELS, generator=generator)
         predictions = model(test_feats, feat_lens).argmax(-1)
     assert (predictions == labels).all(), predictions
+
+
+def test_xvector_trains_on_a_single_utterance_batch() -> None:
+    """Duration batching can yield a batch of one; training must not fail on it."""
+    model = XVector(n_mels=40, num_speakers=3).train()
+    logits = model(torch.randn(1, 50, 40), torch.tensor([50]))
+    torch.nn.functional.cross_entropy(logits, torch.tensor([1])).backward()

@@ -82,7 +82,7 @@ class XVector(nn.Module):
         self.embedding = nn.Linear(2 * in_channels, embedding_dim)
         self.classifier = nn.Sequential(
             nn.ReLU(),
-            nn.BatchNorm1d(embedding_dim),
+            nn.LayerNorm(embedding_dim),  # not BatchNorm: a duration batch may hold 1 utterance
             nn.Dropout(dropout),
             nn.Linear(embedding_dim, num_speakers),
         )
