@@ -9,6 +9,7 @@ utterance on its own (in eval mode, where BatchNorm uses running statistics).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from amp_utils.autocast import fwd_default_precision
@@ -38,6 +39,28 @@ def masked_mean_std(x: Tensor, frame_mask: Tensor, eps: float = 1e-5) -> tuple[T
     mean = (x * weights).sum(dim=-1) / counts
     variance = (((x - mean.unsqueeze(-1)) * weights) ** 2).sum(dim=-1) / counts
     return mean, variance.clamp(min=eps).sqrt()
+
+
+class EmbeddingBatchNorm(nn.BatchNorm1d):
+    """BatchNorm1d over embeddings that also accepts a one-utterance training batch.
+
+    Duration batching can yield a batch holding a single long utterance, whose batch
+    statistics are undefined; such a batch is normalised with the running statistics.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and x.shape[0] == 1:
+            return F.batch_norm(
+                x,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                False,
+                0.0,
+                self.eps,
+            )
+        return super().forward(x)
 
 
 class XVector(nn.Module):
@@ -82,7 +105,7 @@ class XVector(nn.Module):
         self.embedding = nn.Linear(2 * in_channels, embedding_dim)
         self.classifier = nn.Sequential(
             nn.ReLU(),
-            nn.LayerNorm(embedding_dim),  # not BatchNorm: a duration batch may hold 1 utterance
+            EmbeddingBatchNorm(embedding_dim),
             nn.Dropout(dropout),
             nn.Linear(embedding_dim, num_speakers),
         )
