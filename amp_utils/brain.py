@@ -20,6 +20,7 @@ Precision rules (learned from SpeechBrain, with its gaps fixed):
 from __future__ import annotations
 
 import logging
+import math
 import random
 import signal
 import threading
@@ -336,16 +337,16 @@ class Brain:
         Raises:
             NonFiniteLossError: after more than ``nonfinite_patience`` consecutive ones.
         """
-        return self._count_nonfinite(loss, self.step)
+        return self._count_nonfinite(float(loss.detach()), self.step)
 
-    def _count_nonfinite(self, loss: torch.Tensor, step: int) -> bool:
-        if bool(torch.isfinite(loss)):
+    def _count_nonfinite(self, loss: float, step: int) -> bool:
+        if math.isfinite(loss):
             self.nonfinite_count = 0
             return True
         self.nonfinite_count += 1
         logger.warning(
             "Non-finite loss (%s) at batch %d: step skipped (%d in a row, patience %d).",
-            float(loss.detach()),
+            loss,
             step,
             self.nonfinite_count,
             self.run_opts.nonfinite_patience,
@@ -413,9 +414,10 @@ class Brain:
             self._account(item)
 
     def _account(self, item: _PendingBatch) -> None:
-        if self._count_nonfinite(item.loss, item.step):
+        loss = float(item.loss)  # the one read of this batch's loss from the device
+        if self._count_nonfinite(loss, item.step):
             self._avg_count += 1
-            self.avg_train_loss += (float(item.loss) - self.avg_train_loss) / self._avg_count
+            self.avg_train_loss += (loss - self.avg_train_loss) / self._avg_count
         if item.step_info is not None:
             if bool(item.step_info.skipped):
                 self.skipped_steps += 1
@@ -424,7 +426,7 @@ class Brain:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             self.last_grad_norm = item.step_info.grad_norm
-        self._log_train_step(item)
+        self._log_train_step(item, loss)
 
     @torch.no_grad()
     def evaluate_batch(self, batch: Any, stage: Stage) -> torch.Tensor:
@@ -538,10 +540,10 @@ class Brain:
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
 
-    def _log_train_step(self, item: _PendingBatch) -> None:
+    def _log_train_step(self, item: _PendingBatch, loss: float) -> None:
         if self.tensorboard is None or item.step % self.run_opts.log_interval_steps:
             return
-        scalars: dict[str, float] = {"train/loss": float(item.loss)}
+        scalars: dict[str, float] = {"train/loss": loss}
         if self.optimizer is not None:
             scalars["train/lr"] = self.optimizer.param_groups[0]["lr"]
         if item.step_info is not None:
