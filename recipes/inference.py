@@ -15,6 +15,7 @@ from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
 from data.manifest import Utterance
 from data.text import CharTokenizer, ctc_greedy_decode
+from recipes.asr.model import ctc_log_probs
 from recipes.experiment import LABELS_FILE, build_features, build_model
 
 
@@ -70,7 +71,7 @@ class TrainedModel:
             feats, feat_lens = self.features(batch.wavs, batch.wav_lens)
             if self.task == "asr":
                 logits, out_lens = self.model(feats, feat_lens)
-                ids = ctc_greedy_decode(logits.float().log_softmax(-1), out_lens)
+                ids = ctc_greedy_decode(ctc_log_probs(logits), out_lens)
                 tokenizer = CharTokenizer()
                 return [tokenizer.decode(seq) for seq in ids]
             logits = self.model(feats, feat_lens)
