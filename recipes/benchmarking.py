@@ -149,37 +149,38 @@ def loader_batches(loader: Any) -> Iterator[AudioBatch]:
         epoch += 1
 
 
+def _variant(row: dict[str, Any]) -> str:
+    """Precision name of a row, ``+tf32`` marking the TF32 fp32 baseline."""
+    return row["precision"] + ("+tf32" if row.get("tf32") else "")
+
+
+def _ratio(numerator: dict[str, Any] | None, denominator: dict[str, Any] | None) -> str:
+    """utt/s ratio of two rows, or "—" when one is missing."""
+    if numerator is None or denominator is None:
+        return "—"
+    return f"{numerator['utt_per_s'] / denominator['utt_per_s']:.2f}"
+
+
 def summarize(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the measurements, with the ratios the targets are stated in."""
-    base = {(r["mode"]): r for r in rows if r["precision"] == "fp32" and not r.get("tf32")}
-    bare = {r["precision"] + str(r.get("tf32", False)): r for r in rows if r["mode"] == "bare"}
-    brain = {r["precision"] + str(r.get("tf32", False)): r for r in rows if r["mode"] == "brain"}
+    fp32 = {r["mode"]: r for r in rows if _variant(r) == "fp32"}
+    by_mode = {(r["mode"], _variant(r)): r for r in rows}
     lines = [
         "| mode | precision | steps/s | utt/s | audio-s/s | p50 ms | p90 ms | peak MB | "
         "vs fp32 | Brain/bare | loader/synthetic |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        key = r["precision"] + str(r.get("tf32", False))
-        ref = base.get(r["mode"])
-        vs_fp32 = r["utt_per_s"] / ref["utt_per_s"] if ref else float("nan")
-        brain_bare = (
-            brain[key]["utt_per_s"] / bare[key]["utt_per_s"]
-            if r["mode"] == "brain" and key in bare
-            else float("nan")
-        )
-        loader_syn = (
-            r["utt_per_s"] / brain[key]["utt_per_s"]
-            if r["mode"] == "loader" and key in brain
-            else float("nan")
-        )
-        name = r["precision"] + ("+tf32" if r.get("tf32") else "")
+        name = _variant(r)
+        brain_bare = _ratio(r, by_mode.get(("bare", name))) if r["mode"] == "brain" else "—"
+        loader_syn = _ratio(r, by_mode.get(("brain", name))) if r["mode"] == "loader" else "—"
         lines.append(
             f"| {r['mode']} | {name} | {r['steps_per_s']:.2f} | {r['utt_per_s']:.0f} | "
             f"{r['audio_s_per_s']:.0f} | {r['p50_step_ms']:.1f} | {r['p90_step_ms']:.1f} | "
-            f"{r['peak_memory_mb']:.0f} | {vs_fp32:.2f} | {brain_bare:.2f} | {loader_syn:.2f} |"
+            f"{r['peak_memory_mb']:.0f} | {_ratio(r, fp32.get(r['mode']))} | {brain_bare} | "
+            f"{loader_syn} |"
         )
-    return "\n".join(lines).replace("| nan |", "| — |").replace("| nan |", "| — |")
+    return "\n".join(lines)
 
 
 def run_benchmark(cfg: DictConfig, build: Callable[[DictConfig], tuple[AudioBrain, Any]]) -> list:
