@@ -3,6 +3,13 @@
 from amp_utils.autocast import PRECISIONS, AMPConfig, TorchAutocast, fwd_default_precision
 from amp_utils.brain import Brain, NonFiniteLossError, Stage, TrainingInterrupted
 from amp_utils.checkpoint import Checkpoint, Checkpointer, CheckpointError
+from amp_utils.distributed import (
+    DistributedConfigError,
+    DistributedInfo,
+    ddp_barrier,
+    if_main_process,
+    run_on_main,
+)
 from amp_utils.epoch_counter import EpochCounter
 from amp_utils.precision import (
     DeviceNotAvailableError,
@@ -18,6 +25,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "DeviceNotAvailableError",
+    "DistributedConfigError",
+    "DistributedInfo",
     "Checkpointer",
     "EpochCounter",
     "NonFiniteLossError",
@@ -26,6 +35,9 @@ __all__ = [
     "Stage",
     "TorchAutocast",
     "TrainingInterrupted",
+    "ddp_barrier",
+    "if_main_process",
     "fwd_default_precision",
     "resolve_device",
+    "run_on_main",
 ]

@@ -4,7 +4,8 @@ A recipe subclasses ``Brain`` and overrides ``compute_forward`` and ``compute_ob
 (and usually ``on_stage_end`` for metrics and checkpoints); everything else lives here:
 autocast, loss scaling, gradient clipping over all parameter groups, gradient accumulation,
 non-finite loss handling, checkpoint/resume (also mid-epoch), progress bars, debug mode,
-``torch.compile`` and per-step TensorBoard scalars.
+``torch.compile``, per-step TensorBoard scalars and DistributedDataParallel when the
+process was started by ``torchrun`` (or as a task of a multi-task SLURM job).
 
 Precision rules (learned from SpeechBrain, with its gaps fixed):
 
@@ -15,6 +16,13 @@ Precision rules (learned from SpeechBrain, with its gaps fixed):
   ``unscale_`` -> clip **all** parameter groups -> ``scaler.step`` -> ``update`` -> zero grads.
   Fused/foreach optimizers work, clipping included.
 * the LR scheduler is not stepped when the scaler skipped the optimizer step.
+
+Distributed rules (DDP): modules with trainable parameters are wrapped in
+``DistributedDataParallel`` (optionally with SyncBatchNorm); gradient accumulation runs
+the non-stepping batches under ``no_sync``; the logged loss, its finiteness (so every rank
+skips the same steps), evaluation losses and throughput are reduced over the ranks; the
+decisions to checkpoint mid-epoch or to stop on a signal are taken together; only rank 0
+shows progress bars and writes checkpoints (``Checkpointer`` is rank-aware).
 """
 
 from __future__ import annotations
@@ -25,17 +33,27 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from enum import Enum, auto
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant creates a second loader iterator
 
 from amp_utils.autocast import AMPConfig, TorchAutocast
 from amp_utils.checkpoint import Checkpoint, Checkpointer
+from amp_utils.distributed import (
+    DistributedConfigError,
+    all_reduce_counts,
+    all_reduce_max,
+    all_reduce_sum,
+    any_rank,
+    init_distributed,
+)
 from amp_utils.epoch_counter import EpochCounter
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import (
@@ -160,7 +178,11 @@ class Brain:
         self.run_opts = RunOptions.from_dict(run_opts)
         for name, value in vars(self.run_opts).items():
             setattr(self, name, value)
-        self.device = resolve_device(self.run_opts.device)
+        device = resolve_device(self.run_opts.device)
+        self.distributed = init_distributed(self.run_opts.distributed_backend, device.type)
+        if self.distributed.enabled and device.type == "cuda":
+            device = torch.device("cuda", self.distributed.local_rank)  # one GPU per process
+        self.device = device
         self.device_type = self.device.type
         self.amp = AMPConfig.from_name(self.run_opts.precision)
         self.eval_amp = AMPConfig.from_name(self.run_opts.eval_precision)
@@ -168,7 +190,8 @@ class Brain:
         check_precision_supported(self.eval_amp, self.device)
         configure_tf32(self.device, self.run_opts.allow_tf32)
 
-        self.modules = torch.nn.ModuleDict(dict(modules or {})).to(self.device)
+        self.modules = torch.nn.ModuleDict(self._sync_batchnorm(dict(modules or {})))
+        self.modules.to(self.device)
         self.opt_class = opt_class
         self.hparams = SimpleNamespace(**dict(hparams)) if hparams is not None else None
         self.tensorboard = (hparams or {}).get("tensorboard")
@@ -194,6 +217,7 @@ class Brain:
         self._stop_signal: int | None = None
         self._last_ckpt_time = time.time()
         self._compiled = False
+        self._ddp_modules: list[DistributedDataParallel] = []
 
         if self.checkpointer is not None:
             registered = [id(obj) for obj in self.checkpointer.recoverables.values()]
@@ -241,7 +265,8 @@ class Brain:
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self) -> None:
-        """Compile modules, build optimizers and resume from the latest checkpoint."""
+        """Wrap modules for DDP, compile them, build optimizers and resume if possible."""
+        self._wrap_distributed()
         self._compile()
         self.init_optimizers()
         if self.checkpointer is not None:
@@ -273,6 +298,48 @@ class Brain:
             self.checkpointer.add_recoverable("optimizer", self.optimizer)
             if self.lr_scheduler is not None:
                 self.checkpointer.add_recoverable("lr_scheduler", self.lr_scheduler)
+
+    def _sync_batchnorm(self, modules: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
+        """With ``sync_batchnorm`` under DDP, BatchNorm layers become SyncBatchNorm."""
+        if not (self.run_opts.sync_batchnorm and self.distributed.world_size > 1):
+            return modules
+        if self.device.type != "cuda":
+            raise DistributedConfigError(
+                "trainer.sync_batchnorm=true needs CUDA: PyTorch's SyncBatchNorm runs on GPUs "
+                "only. Fix: set trainer.sync_batchnorm=false for CPU (gloo) runs."
+            )
+        return {
+            name: torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+            for name, module in modules.items()
+        }
+
+    def _wrap_distributed(self) -> None:
+        """Wrap every module with trainable parameters in DistributedDataParallel.
+
+        The checkpointer keeps the unwrapped modules, so checkpoints have the same keys
+        with and without DDP and load either way.
+        """
+        if not self.distributed.enabled or self._ddp_modules:
+            return
+        for name, module in self.modules.items():
+            if not any(p.requires_grad for p in module.parameters()):
+                continue  # e.g. feature extraction: nothing to synchronise
+            wrapped = DistributedDataParallel(
+                module,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=self.run_opts.find_unused_parameters,
+            )
+            self.modules[name] = wrapped
+            self._ddp_modules.append(wrapped)
+
+    @contextmanager
+    def no_sync(self, use: bool = True) -> Iterator[None]:
+        """Skip DDP's gradient all-reduce inside the block (accumulation batches)."""
+        with ExitStack() as stack:
+            if use:
+                for module in self._ddp_modules:
+                    stack.enter_context(module.no_sync())
+            yield
 
     def _compile(self) -> None:
         if not self.run_opts.compile or self._compiled:
@@ -318,18 +385,26 @@ class Brain:
         """
         should_step = self.step % self.run_opts.grad_accumulation_factor == 0
         self.on_fit_batch_start(batch, should_step)
-        with TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype):
-            outputs = self.compute_forward(batch, Stage.TRAIN)
-            loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
-        finite = torch.isfinite(loss.detach())
+        with self.no_sync(not should_step):
+            with TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype):
+                outputs = self.compute_forward(batch, Stage.TRAIN)
+                loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
+            self.scaler.scale(loss / self.run_opts.grad_accumulation_factor).backward()
+        # Under DDP: the mean over the ranks, so all of them log, count and skip alike.
+        global_loss = self._mean_over_ranks(loss.detach())
+        finite = torch.isfinite(global_loss)
         self._window_finite = (
             finite if self._window_finite is None else self._window_finite & finite
         )
-        self.scaler.scale(loss / self.run_opts.grad_accumulation_factor).backward()
         step_info = self.optimizers_step() if should_step else None
-        self._pending.append(_PendingBatch(self.step, loss.detach(), step_info))
+        self._pending.append(_PendingBatch(self.step, global_loss, step_info))
         self.on_fit_batch_end(batch, outputs, loss, should_step)
         return loss.detach()
+
+    def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        if self.distributed.world_size == 1:
+            return value
+        return all_reduce_sum(value.float()) / self.distributed.world_size
 
     def check_loss_isfinite(self, loss: torch.Tensor) -> bool:
         """True if the loss is finite; counts non-finite ones (the step is skipped).
@@ -474,7 +549,7 @@ class Brain:
         ):
             self.checkpointer.add_recoverable("epoch_counter", epoch_counter)
         self.on_fit_start()
-        enable = (not self.run_opts.noprogressbar) if progressbar is None else progressbar
+        enable = self._progressbar(progressbar)
         reset_peak_memory(self.device)
         with self._stop_signals_caught():
             for epochs_run, epoch in enumerate(epoch_counter, start=1):
@@ -482,6 +557,11 @@ class Brain:
                 self._fit_valid(valid_set, epoch, enable)
                 if self.run_opts.debug and epochs_run >= self.run_opts.debug_epochs:
                     break
+
+    def _progressbar(self, requested: bool | None) -> bool:
+        """Whether to show progress bars: as requested, and only on rank 0."""
+        enable = (not self.run_opts.noprogressbar) if requested is None else requested
+        return enable and self.distributed.is_main
 
     def _set_loader_epoch(self, loader: DataLoader, epoch: int, skip: int) -> bool:
         """Tell an epoch-aware sampler the epoch; True if it will skip ``skip`` batches."""
@@ -552,8 +632,9 @@ class Brain:
             scalars["train/loss_scale"] = self.scaler.get_scale()
         scalars["train/skipped_steps"] = self.skipped_steps
         elapsed = self.train_stats["time_s"] + time.perf_counter() - self._epoch_start
-        if elapsed > 0:
-            scalars["train/utterances_per_s"] = self.train_stats["utterances"] / elapsed
+        if elapsed > 0:  # under DDP: rank 0's rate times the world size (cheap estimate)
+            rate = self.train_stats["utterances"] / elapsed
+            scalars["train/utterances_per_s"] = rate * self.distributed.world_size
         self.tensorboard.log_scalars(scalars, step=self.optimizer_step + self.skipped_steps)
 
     def _fit_valid(self, valid_set: DataLoader | None, epoch: int, enable: bool) -> None:
@@ -578,6 +659,9 @@ class Brain:
                 self.step += 1
                 loss = self.evaluate_batch(batch, stage)
                 avg_loss = self.update_average(loss, avg_loss)
+        if self.distributed.world_size > 1:  # each rank saw its own shard of the split
+            totals = all_reduce_counts({"loss": avg_loss * self.step, "batches": self.step})
+            avg_loss = totals["loss"] / max(totals["batches"], 1)
         return avg_loss
 
     def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
@@ -607,7 +691,7 @@ class Brain:
         if not isinstance(test_set, DataLoader):
             test_set = self.make_dataloader(test_set, Stage.TEST, **(test_loader_kwargs or {}))
         self.on_evaluate_start(max_key=max_key, min_key=min_key)
-        enable = (not self.run_opts.noprogressbar) if progressbar is None else progressbar
+        enable = self._progressbar(progressbar)
         avg_test_loss = self._run_eval_loop(test_set, Stage.TEST, None, enable)
         self.on_stage_end(Stage.TEST, avg_test_loss, None)
         self.step = 0
@@ -615,9 +699,25 @@ class Brain:
 
     # ------------------------------------------------------------ checkpoints
     def _maybe_save_intra_epoch(self) -> None:
-        if self._stop_signal is not None:
+        stop = self._stop_signal is not None
+        by_time = (
+            self.checkpointer is not None
+            and self.run_opts.ckpt_interval_minutes > 0
+            and time.time() - self._last_ckpt_time >= self.run_opts.ckpt_interval_minutes * 60
+        )
+        if self.distributed.world_size > 1:
+            # Ranks receive signals and read clocks at different moments: they decide
+            # together, every log_interval_steps optimizer steps, so that all of them
+            # save (and stop) after the same batch.
+            updates = self.step // self.run_opts.grad_accumulation_factor
+            if updates % self.run_opts.log_interval_steps:
+                stop = by_time = False
+            else:
+                stop, by_time = any_rank(stop, by_time)
+        if stop:
             self._save_intra_epoch_ckpt()
-            name = signal.Signals(self._stop_signal).name
+            signum = self._stop_signal or signal.SIGTERM  # another rank's signal
+            name = signal.Signals(signum).name
             raise TrainingInterrupted(
                 f"Received {name}: saved a checkpoint at epoch "
                 f"{getattr(self._epoch_counter, 'current', '?')}, batch {self.step}. "
@@ -629,10 +729,6 @@ class Brain:
             self.run_opts.ckpt_interval_steps > 0
             and self.optimizer_step > 0
             and self.optimizer_step % self.run_opts.ckpt_interval_steps == 0
-        )
-        by_time = (
-            self.run_opts.ckpt_interval_minutes > 0
-            and time.time() - self._last_ckpt_time >= self.run_opts.ckpt_interval_minutes * 60
         )
         if by_steps or by_time:
             self._save_intra_epoch_ckpt()
@@ -679,6 +775,7 @@ class Brain:
         """Loop position, counters and RNG states, saved with every checkpoint."""
         state = {
             "step": self._resume_step,
+            "world_size": self.distributed.world_size,
             "optimizer_step": self.optimizer_step,
             "skipped_steps": self.skipped_steps,
             "avg_train_loss": self.avg_train_loss,
@@ -695,7 +792,10 @@ class Brain:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved."""
-        self._resume_step = int(state["step"])
+        # Rank r trains batches r, r + W, ... of the epoch's batch list: after k batches
+        # per rank, the first k * W are done, whatever the new world size is.
+        done = int(state["step"]) * int(state.get("world_size", 1))
+        self._resume_step = done // self.distributed.world_size
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.avg_train_loss = float(state["avg_train_loss"])
@@ -709,6 +809,19 @@ class Brain:
         if "cuda" in state["rng"] and torch.cuda.is_available():
             states = state["rng"]["cuda"][: torch.cuda.device_count()]
             torch.cuda.set_rng_state_all([s.cpu() for s in states])
+
+    def global_train_stats(self) -> dict[str, float]:
+        """Training time, utterances and audio seconds of all ranks together.
+
+        Utterances and audio add up over the ranks; the time is the slowest rank's.
+        """
+        if self.distributed.world_size == 1:
+            return dict(self.train_stats)
+        totals = all_reduce_counts(
+            {"utterances": self.train_stats["utterances"], "audio_s": self.train_stats["audio_s"]}
+        )
+        slowest = all_reduce_max(torch.tensor([self.train_stats["time_s"]], dtype=torch.float64))
+        return {**totals, "time_s": float(slowest[0])}
 
     def peak_memory_mb(self) -> float:
         """Peak memory of the run so far (GPU allocations on CUDA, process RSS on CPU)."""

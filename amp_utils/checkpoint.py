@@ -6,6 +6,10 @@ the size and SHA-256 of ``state.pt``). The folder is written under a temporary n
 renamed into place, so a kill at any moment leaves either the old set of checkpoints or the
 new one, never a half-written checkpoint. On load the checksum is verified; a corrupt or
 truncated checkpoint is skipped with a warning naming it, and the previous good one is used.
+
+Under DDP only rank 0 writes and deletes checkpoints; every rank waits until they are on
+disk, and every rank can load them (the run folder must be on a shared filesystem when
+the ranks span several nodes).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from amp_utils.atomic import fsync_directory
+from amp_utils.distributed import ddp_barrier, is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +131,11 @@ class Checkpointer:
     # ------------------------------------------------------------------ saving
     def save_checkpoint(
         self, meta: Mapping[str, Any] | None = None, end_of_epoch: bool = True
-    ) -> Checkpoint:
+    ) -> Checkpoint | None:
         """Write a new checkpoint atomically and return it.
+
+        Under DDP, rank 0 writes it and the other ranks get None; all ranks return once
+        it is on disk.
 
         Raises:
             CheckpointError: if a floating-point tensor is not finite (a checkpoint never
@@ -142,6 +150,13 @@ class Checkpointer:
                     "(NaN/Inf). The previous checkpoints are kept; lower the learning rate "
                     "or use bf16 instead of fp16."
                 )
+        ckpt = self._write(state, meta, end_of_epoch) if is_main_process() else None
+        ddp_barrier()
+        return ckpt
+
+    def _write(
+        self, state: dict[str, Any], meta: Mapping[str, Any] | None, end_of_epoch: bool
+    ) -> Checkpoint:
         try:
             self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -192,7 +207,7 @@ class Checkpointer:
         min_keys: Iterable[str] | None = None,
         max_keys: Iterable[str] | None = None,
         predicate: Callable[[Checkpoint], bool] | None = None,
-    ) -> Checkpoint:
+    ) -> Checkpoint | None:
         """Save, then delete all but the ``num_to_keep`` most recent and the best ones.
 
         The best checkpoint for each key in ``min_keys`` (lowest value) and ``max_keys``
@@ -212,7 +227,21 @@ class Checkpointer:
         max_keys: Iterable[str] | None = None,
         predicate: Callable[[Checkpoint], bool] | None = None,
     ) -> None:
-        """Delete checkpoints that are neither among the most recent nor the best."""
+        """Delete checkpoints that are neither among the most recent nor the best.
+
+        Under DDP rank 0 deletes; all ranks return once it is done.
+        """
+        if is_main_process():
+            self._delete_all_but(num_to_keep, min_keys, max_keys, predicate)
+        ddp_barrier()
+
+    def _delete_all_but(
+        self,
+        num_to_keep: int,
+        min_keys: Iterable[str] | None,
+        max_keys: Iterable[str] | None,
+        predicate: Callable[[Checkpoint], bool] | None,
+    ) -> None:
         ckpts = self.list_checkpoints(verify=False)
         if predicate is not None:
             ckpts = [c for c in ckpts if predicate(c)]

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from amp_utils.distributed import BACKENDS
+
 
 @dataclass
 class RunOptions:
@@ -36,6 +38,9 @@ class RunOptions:
     log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
     allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
     seed: int = 1234  # seed of the data loader's own generator
+    distributed_backend: str = "auto"  # DDP backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
+    sync_batchnorm: bool = False  # under DDP, BatchNorm statistics over all ranks (CUDA only)
+    find_unused_parameters: bool = False  # DDP: allow parameters without gradients in a step
     extra: dict[str, Any] = field(default_factory=dict)  # recipe-specific options
 
     @classmethod
@@ -65,5 +70,10 @@ class RunOptions:
             raise ValueError(f"nonfinite_patience must be >= 0, got {self.nonfinite_patience}.")
         if self.debug and (self.debug_batches < 1 or self.debug_epochs < 1):
             raise ValueError("debug_batches and debug_epochs must be >= 1 in debug mode.")
+        if self.distributed_backend not in BACKENDS:
+            raise ValueError(
+                f"distributed_backend must be one of {', '.join(BACKENDS)}; "
+                f"got {self.distributed_backend!r}."
+            )
         if self.log_interval_steps < 1:
             raise ValueError(f"log_interval_steps must be >= 1, got {self.log_interval_steps}.")

@@ -28,8 +28,11 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
     deterministically for a given ``(seed, epoch)``.
 
     With ``num_replicas > 1`` every rank builds the same batch list and takes every
-    ``num_replicas``-th batch starting at ``rank``; the list is truncated to a multiple of
-    ``num_replicas`` so all ranks run the same number of steps (DDP needs that).
+    ``num_replicas``-th batch starting at ``rank``. For training (``drop_uneven=True``) the
+    list is first truncated to a multiple of ``num_replicas`` so all ranks run the same
+    number of steps (DDP needs that; the dropped batches change every epoch). For
+    evaluation (``drop_uneven=False``) every batch goes to exactly one rank, so metrics
+    summed over the ranks cover the whole split.
 
     Args:
         durations: duration in seconds of every dataset item.
@@ -41,6 +44,8 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
             have room for one more item as long as its longest one).
         num_replicas: number of distributed processes.
         rank: this process's rank in ``[0, num_replicas)``.
+        drop_uneven: with several replicas, drop the last batches that would give the
+            ranks unequal batch counts.
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        drop_uneven: bool = True,
     ) -> None:
         if not max_batch_seconds > 0:
             raise DataError(
@@ -85,6 +91,7 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.drop_last = drop_last
         self.num_replicas = num_replicas
         self.rank = rank
+        self.drop_uneven = drop_uneven
         self.epoch = 0
         self._skip = 0
         self._cache: tuple[int, list[list[int]]] | None = None
@@ -144,8 +151,9 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def _rank_batches(self) -> list[list[int]]:
         batches = self._all_batches()
-        usable = len(batches) - len(batches) % self.num_replicas
-        return batches[:usable][self.rank :: self.num_replicas]
+        if self.drop_uneven:
+            batches = batches[: len(batches) - len(batches) % self.num_replicas]
+        return batches[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[list[int]]:
         skip, self._skip = self._skip, 0

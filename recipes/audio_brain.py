@@ -3,7 +3,9 @@
 Batches move to the device once per step (non-blocking from pinned memory), log-mel
 features are computed on the device in fp32, SpecAugment is applied in training, and at
 the end of each validation the epoch's metrics go to the log and TensorBoard and a
-checkpoint is saved with them (keeping the most recent ones and the best).
+checkpoint is saved with them (keeping the most recent ones and the best). Under DDP each
+rank scores its own shard of the split and the metric counts are summed over the ranks
+before the metrics are computed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from amp_utils import Brain, Stage
+from amp_utils.distributed import all_reduce_counts
 from data.dataset import AudioBatch
 
 logger = logging.getLogger(__name__)
@@ -22,12 +25,15 @@ logger = logging.getLogger(__name__)
 class AudioBrain(Brain):
     """Brain over ``AudioBatch`` batches; subclasses define the model call and metrics.
 
-    Subclasses set ``metric_key`` (the checkpoint-selection metric) and
-    ``metric_mode`` (``"min"`` or ``"max"``) and implement ``stage_metrics``.
+    Subclasses set ``metric_key`` (the checkpoint-selection metric),
+    ``metric_mode`` (``"min"`` or ``"max"``) and ``metric_counts`` (the attributes that
+    accumulate the metrics, summed over the ranks under DDP), and implement
+    ``stage_metrics``.
     """
 
     metric_key = "loss"
     metric_mode = "min"
+    metric_counts: tuple[str, ...] = ()
 
     def fit_batch(self, batch: AudioBatch) -> torch.Tensor:
         return super().fit_batch(batch.to(self.device, non_blocking=True))
@@ -64,6 +70,7 @@ class AudioBrain(Brain):
         if stage == Stage.TRAIN:
             self.train_loss = stage_loss
             return
+        self._sum_metric_counts_over_ranks()
         metrics = {"loss": stage_loss, **self.stage_metrics(stage)}
         if stage == Stage.TEST:
             self.test_metrics = metrics
@@ -92,6 +99,13 @@ class AudioBrain(Brain):
                 num_to_keep=self.hparams.keep_checkpoints,
                 **keys,
             )
+
+    def _sum_metric_counts_over_ranks(self) -> None:
+        if self.distributed.world_size == 1:
+            return
+        counts = all_reduce_counts({name: getattr(self, name) for name in self.metric_counts})
+        for name, value in counts.items():
+            setattr(self, name, value)
 
     def evaluate_best(self, test_loader: Any) -> dict[str, float]:
         """Evaluate with the best checkpoint by the recipe's metric; returns test metrics."""

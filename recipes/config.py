@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.autocast import PRECISIONS
+from amp_utils.distributed import BACKENDS
 from amp_utils.precision import DEVICE_CHOICES
 
 TASKS = ("asr", "speaker")
@@ -82,5 +83,6 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
     _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
+    _choice(cfg, "trainer.distributed_backend", BACKENDS)
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")

@@ -1,4 +1,9 @@
-"""From the ``data`` config to checked datasets and duration-batched DataLoaders."""
+"""From the ``data`` config to checked datasets and duration-batched DataLoaders.
+
+Under DDP, rank 0 alone downloads and prepares the data (the others wait and then read
+its manifests) and every split is sharded over the ranks: training shards have equal
+batch counts (DDP steps together), evaluation shards together cover the whole split.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from amp_utils.distributed import DistributedInfo, run_on_main
 from data.audio import check_audio_files
 from data.connected_digits import prepare_connected_digits
 from data.dataset import AudioDataset, collate_audio
@@ -83,10 +89,17 @@ def load_utterances(
     return splits, skipped
 
 
-def build_data(cfg: DictConfig, device: torch.device) -> DataBundle:
-    """Manifests -> checked datasets -> DataLoaders batched by total audio duration."""
+def build_data(
+    cfg: DictConfig, device: torch.device, dist_info: DistributedInfo | None = None
+) -> DataBundle:
+    """Manifests -> checked datasets -> DataLoaders batched by total audio duration.
+
+    ``dist_info`` (this process's rank and the world size) shards the loaders for DDP.
+    """
     data_cfg = cfg.data
-    utterances, skipped = load_utterances(prepare_manifests(data_cfg), data_cfg.skip_bad_files)
+    dist_info = dist_info or DistributedInfo()
+    manifests = run_on_main(prepare_manifests, args=(data_cfg,))
+    utterances, skipped = load_utterances(manifests, data_cfg.skip_bad_files)
     tokenizer = CharTokenizer() if cfg.model.task == "asr" else None
     if cfg.model.task == "speaker":  # closed set: evaluation speakers must be trained on
         speakers = sorted({utt.speaker for utt in utterances["train"]})
@@ -106,6 +119,9 @@ def build_data(cfg: DictConfig, device: torch.device) -> DataBundle:
             shuffle=split == "train",
             seed=cfg.seed,
             num_buckets=data_cfg.num_buckets,
+            num_replicas=dist_info.world_size,
+            rank=dist_info.rank,
+            drop_uneven=split == "train",
         )
         loaders[split] = DataLoader(
             dataset,

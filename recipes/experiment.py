@@ -3,6 +3,9 @@
 Validate the config, prepare the data, build the model and its Brain, fit (resuming from
 the run folder's checkpoints if any), test with the best checkpoint, and write
 ``results.json`` and ``env.txt`` next to the checkpoints and TensorBoard events.
+
+Started by ``torchrun`` (or as a multi-task SLURM job), the same run trains with DDP:
+every rank builds the same objects, and only rank 0 logs and writes the run's files.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import Checkpointer, EpochCounter, RunOptions, resolve_device
 from amp_utils.atomic import atomic_write_json
+from amp_utils.distributed import DistributedInfo, init_distributed, run_on_main
 from amp_utils.run_env import write_env_file
 from amp_utils.tensorboard import TensorBoardLogger
 from data.features import LogMelFeatures, SpecAugment
@@ -49,6 +53,9 @@ RUN_OPTION_KEYS = (
     "compile_module_keys",
     "compile_mode",
     "log_interval_steps",
+    "distributed_backend",
+    "sync_batchnorm",
+    "find_unused_parameters",
 )
 
 
@@ -199,30 +206,43 @@ def ensure_writable(out_dir: Path) -> Path:
     return out_dir
 
 
+def start_distributed(opts: RunOptions) -> DistributedInfo:
+    """Join the DDP process group if launched for it; quiet the logs of ranks other than 0."""
+    info = init_distributed(opts.distributed_backend, resolve_device(opts.device).type)
+    if not info.is_main:  # rank 0 logs the run; the others only warnings and errors
+        logging.getLogger().setLevel(logging.WARNING)
+    return info
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one experiment described by ``cfg``; returns what it writes to results.json."""
     start = time.time()
     validate_config(cfg)
-    out_dir = ensure_writable(Path(cfg.output_dir))
-    seed_everything(cfg.seed)
     opts = run_options(cfg)
+    dist_info = start_distributed(opts)
+    out_dir = run_on_main(ensure_writable, args=(Path(cfg.output_dir),))
+    seed_everything(cfg.seed)
     device = resolve_device(opts.device)
-    write_env_file(out_dir / "env.txt")
-    data = build_data(cfg, device)
-    atomic_write_json(
-        out_dir / LABELS_FILE, {"task": cfg.model.task, "speakers": list(data.speakers)}
-    )
-    tensorboard = TensorBoardLogger(out_dir / "tb")
+    data = build_data(cfg, device, dist_info)
+    main = dist_info.is_main
+    if main:
+        write_env_file(out_dir / "env.txt")
+        atomic_write_json(
+            out_dir / LABELS_FILE, {"task": cfg.model.task, "speakers": list(data.speakers)}
+        )
+    tensorboard = TensorBoardLogger(out_dir / "tb") if main else None
     try:
         brain = build_brain(cfg, data, out_dir, tensorboard)
         brain.fit(EpochCounter(cfg.trainer.epochs), data.train, data.valid)
         test_metrics = brain.evaluate_best(data.test)
-        stats = brain.train_stats
+        stats = brain.global_train_stats()
         results = {
             "precision": cfg.precision.name,
             "eval_precision": cfg.precision.eval_precision,
-            "device": device.type,
-            "device_name": device_name(device),
+            "device": brain.device.type,
+            "device_name": device_name(brain.device),
+            "world_size": dist_info.world_size,
+            "distributed_backend": dist_info.backend,
             "model": cfg.model.name,
             "task": cfg.model.task,
             "data": cfg.data.name,
@@ -235,7 +255,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 "train_time_s": stats["time_s"],
             },
             "peak_memory_mb": brain.peak_memory_mb(),
-            "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "process_rss",
+            "peak_memory_kind": (
+                "cuda_max_allocated" if brain.device.type == "cuda" else "process_rss"
+            ),
             "wall_time_s": time.time() - start,
             "epochs": cfg.trainer.epochs,
             "optimizer_steps": brain.optimizer_step,
@@ -244,11 +266,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "skipped_files": len(data.skipped_files),
             "torch_version": torch.__version__,
         }
+        if not main:
+            return results
         atomic_write_json(out_dir / "results.json", results)
         tensorboard.log_hparams(
             {
                 "precision": cfg.precision.name,
-                "device": device.type,
+                "device": brain.device.type,
                 "model": cfg.model.name,
                 "data": cfg.data.name,
                 "epochs": cfg.trainer.epochs,
@@ -260,6 +284,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             | {"utterances_per_s": results["throughput"]["train_utterances_per_s"]},
         )
     finally:
-        tensorboard.close()
+        if tensorboard is not None:
+            tensorboard.close()
     logger.info("results: %s", out_dir / "results.json")
     return results

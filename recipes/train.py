@@ -4,6 +4,8 @@
     python recipes/train.py precision=bf16 device=cuda        # bf16 autocast on the GPU
     python recipes/train.py model=xvector                     # speaker identification
     python recipes/train.py -m precision=fp32,fp16,bf16       # sweep + comparison table
+    torchrun --nproc_per_node=4 recipes/train.py device=cuda  # DDP on 4 GPUs
+    python recipes/train.py -m hydra/launcher=slurm precision=fp32,fp16,bf16  # on SLURM
 
 Re-running the same command resumes from the run folder's latest checkpoint.
 """
@@ -20,6 +22,7 @@ from omegaconf import DictConfig
 from amp_utils import (
     CheckpointError,
     DeviceNotAvailableError,
+    DistributedConfigError,
     NonFiniteLossError,
     PrecisionNotSupportedError,
 )
@@ -35,6 +38,7 @@ USER_ERRORS = (
     NonFiniteLossError,
     PrecisionNotSupportedError,
     DeviceNotAvailableError,
+    DistributedConfigError,
 )
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ class ASRBrain(AudioBrain):
 
     metric_key = "CER"
     metric_mode = "min"
+    metric_counts = ("char_edits", "char_total", "word_edits", "word_total")
 
     def compute_forward(self, batch: AudioBatch, stage: Stage):
         feats, feat_lens = self.features(batch, stage)

@@ -20,6 +20,7 @@ class SpeakerBrain(AudioBrain):
 
     metric_key = "accuracy"
     metric_mode = "max"
+    metric_counts = ("correct", "total")
 
     def compute_forward(self, batch: AudioBatch, stage: Stage) -> torch.Tensor:
         feats, feat_lens = self.features(batch, stage)

@@ -71,6 +71,29 @@ def test_distributed_ranks_disjoint_equal_length(num_replicas: int) -> None:
     assert per_rank[1] == whole[1 : num_replicas * len(per_rank[0]) : num_replicas]
 
 
+@pytest.mark.parametrize("num_replicas", [2, 3, 4])
+def test_evaluation_shards_cover_every_batch_once(num_replicas: int) -> None:
+    """drop_uneven=False (evaluation): the ranks together see the whole split, once."""
+    whole = _epoch(DurationBatchSampler(DURATIONS, BUDGET, shuffle=False), 0)
+    assert len(whole) % num_replicas, "pick sizes where the shards are really uneven"
+    per_rank = [
+        _epoch(
+            DurationBatchSampler(
+                DURATIONS,
+                BUDGET,
+                shuffle=False,
+                num_replicas=num_replicas,
+                rank=r,
+                drop_uneven=False,
+            ),
+            0,
+        )
+        for r in range(num_replicas)
+    ]
+    assert sorted(b for batches in per_rank for b in batches) == sorted(whole)
+    assert max(map(len, per_rank)) - min(map(len, per_rank)) == 1
+
+
 def test_skip_batches_is_one_shot() -> None:
     sampler = DurationBatchSampler(DURATIONS, BUDGET, seed=9)
     sampler.set_epoch(1)

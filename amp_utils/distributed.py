@@ -1,0 +1,265 @@
+"""Multi-process training (DDP): start the process group, rank-0-only work, collectives.
+
+One recipe runs unchanged on one process, under ``torchrun`` (one or several nodes) and as
+a multi-task SLURM job sent by Hydra's submitit launcher:
+
+* ``torchrun`` exports ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``; a submitit job
+  with several tasks gets them exported from its SLURM (or local) job environment;
+* ``init_distributed`` starts the process group once (nccl on CUDA, gloo on CPU unless
+  told otherwise) and pins each process to its own GPU;
+* every helper here is a no-op in a single process, so recipes call them unconditionally.
+
+The API follows SpeechBrain's ``speechbrain.utils.distributed`` (``run_on_main``,
+``if_main_process``, ``ddp_barrier``), with one addition: ``run_on_main`` hands the main
+process's result (or its exception) to every rank, so a failed data preparation stops
+all ranks with the same message instead of leaving them waiting.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "nccl", "gloo")
+T = TypeVar("T")
+_control_group: Any = None  # a gloo group for host-side decisions when the backend is nccl
+
+
+class DistributedConfigError(ValueError):
+    """A distributed setting that cannot work (e.g. nccl without a GPU)."""
+
+
+@dataclass(frozen=True)
+class DistributedInfo:
+    """Where this process stands in the job: world size, ranks and the backend."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    backend: str | None = None  # None: not distributed
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a process group is running (also with a single process under torchrun)."""
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0, the process that logs and writes the run's outputs."""
+        return self.rank == 0
+
+
+def _export_submitit_environment() -> None:
+    """Inside a multi-task submitit job (SLURM or local), export torchrun-style variables."""
+    if "RANK" in os.environ or "SUBMITIT_EXECUTOR" not in os.environ:
+        return
+    try:
+        import submitit
+    except ImportError:  # submitit variables without submitit: nothing to export
+        return
+    if submitit.JobEnvironment().num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def launched_distributed() -> bool:
+    """Whether this process was started by torchrun or as one task of a multi-task job."""
+    _export_submitit_environment()
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """``auto`` -> nccl on CUDA, gloo on CPU; checks the choice fits the device."""
+    if backend not in BACKENDS:
+        raise DistributedConfigError(
+            f"distributed_backend={backend!r} is unknown; choose one of: {', '.join(BACKENDS)}."
+        )
+    if backend == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl" and device_type != "cuda":
+        raise DistributedConfigError(
+            f"distributed_backend=nccl needs device=cuda, but the run is on {device_type}. "
+            "Fix: use trainer.distributed_backend=gloo (or auto) on CPU."
+        )
+    return backend
+
+
+def init_distributed(backend: str = "auto", device_type: str = "cpu") -> DistributedInfo:
+    """Start the process group if this process was launched for it; else a 1-process info.
+
+    On CUDA each process is pinned to GPU ``LOCAL_RANK``. Safe to call more than once.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return distributed_info()
+    if not launched_distributed():
+        return DistributedInfo()
+    backend = resolve_backend(backend, device_type)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise DistributedConfigError(
+                f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} "
+                "GPU(s). Fix: start at most one process per GPU (torchrun "
+                "--nproc_per_node=<number of GPUs>)."
+            )
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend)
+    atexit.register(destroy_distributed)
+    info = distributed_info()
+    logger.info(
+        "Distributed: rank %d of %d (local rank %d), backend %s",
+        info.rank,
+        info.world_size,
+        info.local_rank,
+        backend,
+    )
+    return info
+
+
+def distributed_info() -> DistributedInfo:
+    """This process's rank, world size and backend (a 1-process info when not distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistributedInfo()
+    return DistributedInfo(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        backend=str(dist.get_backend()),
+    )
+
+
+def destroy_distributed() -> None:
+    """End the process group (a no-op when there is none)."""
+    global _control_group
+    if dist.is_available() and dist.is_initialized():
+        _control_group = None
+        dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    """True on rank 0 and in a single process."""
+    return distributed_info().is_main
+
+
+def if_main_process() -> bool:
+    """SpeechBrain's name for ``is_main_process``."""
+    return is_main_process()
+
+
+def _multi_process() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def ddp_barrier() -> None:
+    """Wait until every rank gets here (a no-op in a single process)."""
+    if _multi_process():
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s (picklable) object on every rank."""
+    if not _multi_process():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+class _Failed:
+    """Stands in for the main process's result when it raised."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def run_on_main(
+    func: Callable[..., T],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    post_func: Callable[..., Any] | None = None,
+    post_args: Sequence[Any] | None = None,
+    post_kwargs: Mapping[str, Any] | None = None,
+    run_post_on_main: bool = False,
+) -> T:
+    """Run ``func`` on rank 0 only (e.g. download, data preparation), then sync all ranks.
+
+    Every rank gets rank 0's return value; if it raised, every rank raises the same
+    error. ``post_func`` then runs on the other ranks (and on rank 0 too with
+    ``run_post_on_main``), as in SpeechBrain.
+    """
+    result: Any = None
+    if is_main_process():
+        try:
+            result = func(*(args or ()), **(kwargs or {}))
+        except Exception as err:  # handed to every rank, re-raised below
+            result = _Failed(err)
+    result = broadcast_object(result)
+    if isinstance(result, _Failed):
+        raise result.error
+    if post_func is not None and (run_post_on_main or not is_main_process()):
+        post_func(*(post_args or ()), **(post_kwargs or {}))
+    ddp_barrier()
+    return result
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all ranks (a new tensor on the input's device).
+
+    On the GPU with nccl this is queued on the stream and does not wait for the device.
+    """
+    if not _multi_process():
+        return tensor
+    comm = tensor.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(comm, op=dist.ReduceOp.SUM)
+    return comm.to(tensor.device, non_blocking=True)
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``tensor`` over all ranks."""
+    if not _multi_process():
+        return tensor
+    comm = tensor.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+    return comm.to(tensor.device, non_blocking=True)
+
+
+def all_reduce_counts(counts: Mapping[str, float]) -> dict[str, float]:
+    """Sum named counts (edits, totals, correct...) over all ranks, in one collective."""
+    if not _multi_process() or not counts:
+        return dict(counts)
+    values = torch.tensor([float(v) for v in counts.values()], dtype=torch.float64)
+    summed = all_reduce_sum(values).tolist()
+    return dict(zip(counts, summed, strict=True))
+
+
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """For each flag, whether it is set on any rank.
+
+    A tiny CPU collective (gloo, also next to nccl): it synchronises the processes, not
+    the GPU queue. Used for decisions all ranks must take together (stop, checkpoint).
+    """
+    global _control_group
+    if not _multi_process():
+        return tuple(bool(f) for f in flags)
+    if dist.get_backend() != "gloo" and _control_group is None:
+        _control_group = dist.new_group(backend="gloo")  # collective: every rank gets here
+    values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=_control_group)
+    return tuple(bool(v) for v in values.tolist())
