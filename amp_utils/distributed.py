@@ -114,13 +114,8 @@ def init_distributed(backend: str = "auto", device_type: str = "cpu") -> Distrib
     dist.init_process_group(backend=backend)
     atexit.register(destroy_distributed)
     info = distributed_info()
-    logger.info(
-        "Distributed: rank %d of %d (local rank %d), backend %s",
-        info.rank,
-        info.world_size,
-        info.local_rank,
-        backend,
-    )
+    if info.is_main:
+        logger.info("Distributed: %d processes, backend %s", info.world_size, backend)
     return info
 
 

@@ -1,0 +1,189 @@
+"""amp_utils.distributed and the DDP parts of Brain/Checkpointer, in 2 real gloo processes.
+
+Each check runs in both ranks of one spawned 2-process group (started through the same
+environment variables torchrun sets) and writes what it saw to a JSON file per rank; the
+tests then compare the ranks' reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from amp_utils import Brain, Checkpointer, DistributedConfigError, Stage
+from amp_utils.distributed import (
+    DistributedInfo,
+    all_reduce_counts,
+    any_rank,
+    distributed_info,
+    init_distributed,
+    resolve_backend,
+    run_on_main,
+)
+from recipes.speaker.brain import SpeakerBrain
+
+WORLD_SIZE = 2
+
+
+class TinyBrain(Brain):
+    def compute_forward(self, batch, stage):
+        return self.modules.model(batch[0])
+
+    def compute_objectives(self, predictions, batch, stage):
+        return torch.nn.functional.mse_loss(predictions, batch[1])
+
+
+def _fail_on_main() -> None:
+    raise ValueError("prepared data is broken")
+
+
+def _checks(rank: int, tmp: Path) -> dict:
+    """Everything each rank reports; runs inside the process group."""
+    report: dict = {}
+    info = init_distributed("auto", "cpu")
+    report["info"] = [info.world_size, info.rank, info.backend, info.is_main]
+
+    # run_on_main: rank 0's result everywhere; its exception raised everywhere.
+    report["main_result"] = run_on_main(lambda: f"made by rank {distributed_info().rank}")
+    try:
+        run_on_main(_fail_on_main)
+        report["main_error"] = None
+    except ValueError as err:
+        report["main_error"] = str(err)
+
+    report["any_rank"] = any_rank(rank == 1, False)
+    report["counts"] = all_reduce_counts({"edits": rank + 1, "total": 10})
+
+    # Checkpointer: only rank 0 writes; every rank can load once the call returns.
+    model = torch.nn.Linear(3, 3)
+    ckpt = Checkpointer(tmp / "ckpts", {"model": model})
+    saved = ckpt.save_and_keep_only(meta={"loss": 1.0}, num_to_keep=1)
+    report["saved_is_none"] = saved is None
+    report["ckpts_after_save"] = len(ckpt.list_checkpoints())
+
+    # Brain: DDP wrapping, gradient all-reduces only on stepping batches (no_sync).
+    torch.manual_seed(0)
+    brain = TinyBrain(
+        {"model": torch.nn.Linear(4, 2)},
+        opt_class=lambda p: torch.optim.SGD(p, lr=0.1),
+        run_opts={"grad_accumulation_factor": 2, "noprogressbar": True},
+    )
+    brain.on_fit_start()
+    ddp = brain.modules.model
+    report["wrapped"] = type(ddp).__name__
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(1)
+        buffer = bucket.buffer()
+        torch.distributed.all_reduce(buffer)
+        fut = torch.futures.Future()
+        fut.set_result(buffer / WORLD_SIZE)
+        return fut
+
+    ddp.register_comm_hook(None, counting_hook)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(5, 4, generator=gen), torch.randn(5, 2, generator=gen))] * 4
+    brain.modules.train()
+    for step in range(1, 5):
+        brain.step = step
+        brain.fit_batch(batches[step - 1])
+    brain._flush_pending()
+    report["allreduce_calls"] = len(calls)
+    report["optimizer_steps"] = brain.optimizer_step
+    report["weights"] = [p.detach().flatten().tolist() for p in ddp.module.parameters()]
+    report["avg_train_loss"] = brain.avg_train_loss
+
+    # Speaker metrics: each rank counts its own shard; the reported accuracy is global.
+    speaker = SpeakerBrain(modules={}, run_opts={"noprogressbar": True})
+    speaker.correct, speaker.total = (9, 10) if rank == 0 else (1, 10)
+    speaker.on_stage_end(Stage.TEST, 0.5, None)
+    report["accuracy"] = speaker.test_metrics["accuracy"]
+    return report
+
+
+def _worker(rank: int, port: int, tmp: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+    )
+    torch.set_num_threads(1)
+    out = Path(tmp) / f"rank{rank}.json"
+    try:
+        out.write_text(json.dumps(_checks(rank, Path(tmp))))
+    except Exception:  # reported to the test, which fails with the traceback
+        out.write_text(json.dumps({"error": traceback.format_exc()}))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("ddp_unit")
+    mp.spawn(_worker, args=(_free_port(), str(tmp)), nprocs=WORLD_SIZE, join=True)
+    found = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    for report in found:
+        assert "error" not in report, report.get("error")
+    return found
+
+
+def test_process_group_from_torchrun_variables(reports):
+    assert [r["info"] for r in reports] == [[2, 0, "gloo", True], [2, 1, "gloo", False]]
+
+
+def test_run_on_main_shares_the_result_and_the_error(reports):
+    assert {r["main_result"] for r in reports} == {"made by rank 0"}
+    assert {r["main_error"] for r in reports} == {"prepared data is broken"}
+
+
+def test_collectives(reports):
+    assert all(r["any_rank"] == [True, False] for r in reports)
+    assert all(r["counts"] == {"edits": 3.0, "total": 20.0} for r in reports)
+
+
+def test_checkpoint_written_once_by_rank_zero(reports):
+    assert [r["saved_is_none"] for r in reports] == [False, True]
+    assert all(r["ckpts_after_save"] == 1 for r in reports)
+
+
+def test_brain_wraps_ddp_and_syncs_gradients_only_on_optimizer_steps(reports):
+    assert all(r["wrapped"] == "DistributedDataParallel" for r in reports)
+    assert all(r["allreduce_calls"] == 2 for r in reports)  # 4 batches, accumulation 2
+    assert all(r["optimizer_steps"] == 2 for r in reports)
+    assert reports[0]["weights"] == reports[1]["weights"]  # ranks stay in sync
+    assert reports[0]["avg_train_loss"] == pytest.approx(reports[1]["avg_train_loss"])
+
+
+def test_metric_counts_are_summed_over_ranks(reports):
+    assert all(r["accuracy"] == pytest.approx(50.0) for r in reports)
+
+
+def test_single_process_is_not_distributed():
+    assert init_distributed("auto", "cpu") == DistributedInfo()
+    assert not DistributedInfo().enabled and DistributedInfo().is_main
+    assert run_on_main(lambda: 7) == 7
+
+
+def test_backend_choice_is_checked():
+    assert resolve_backend("auto", "cuda") == "nccl"
+    assert resolve_backend("auto", "cpu") == "gloo"
+    with pytest.raises(DistributedConfigError, match="nccl needs device=cuda.*gloo"):
+        resolve_backend("nccl", "cpu")
+    with pytest.raises(DistributedConfigError, match="choose one of: auto, nccl, gloo"):
+        resolve_backend("mpi", "cpu")

@@ -1,0 +1,156 @@
+"""End-to-end DDP on the CPU (gloo): ``torchrun`` with 2 processes on real FSDD audio.
+
+The DDP run (2 ranks, 1 batch each per step) and a single process with gradient
+accumulation over 2 batches see the same pairs of batches per optimizer step (the
+sampler deals batch ``i`` to rank ``i % 2``), so with dropout and SpecAugment off both must
+end with the same weights and metrics, up to float summation order. Then each run folder
+is resumed by the other kind of run: a DDP checkpoint in one process and the reverse.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from amp_utils import Checkpointer
+from tests.recipe_helpers import MANIFEST_8K, REPO_ROOT
+from tests.test_recipes import prepared_digits  # noqa: F401 - session fixture
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="needs torch.distributed"
+)
+
+TOLERANCE = 1e-4  # weights/losses: DDP and accumulation differ only in summation order
+
+#: Deterministic training (no dropout/SpecAugment) on small real-audio splits.
+COMMON = [
+    "device=cpu",
+    "device.num_workers=0",
+    "trainer.noprogressbar=true",
+    "trainer.log_interval_steps=1",
+    "trainer.epochs=1",
+    "trainer.ckpt_interval_minutes=0.0001",  # mid-epoch checkpoints: a joint decision
+    "model.dropout=0.0",
+    "model.warmup_steps=2",
+    "data.spec_augment.enabled=false",
+    "data.max_batch_seconds=4",
+    *MANIFEST_8K,
+]
+
+
+def subset_manifests(prepared: Path, out: Path, sizes: dict[str, int]) -> list[str]:
+    """``sizes[split]`` rows spread over each FSDD manifest, as data.<split>= overrides."""
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = []
+    for split, size in sizes.items():
+        with open(prepared / f"{split}.csv", newline="") as file:
+            rows = list(csv.DictReader(file))
+        rows = rows[:: len(rows) // size][:size]  # all digits and speakers
+        path = out / f"{split}.csv"
+        with open(path, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        overrides.append(f"data.{split}={path}")
+    return overrides
+
+
+def run_train(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    """recipes/train.py in one process, or under torchrun with ``nproc`` processes."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [*launcher, str(REPO_ROOT / "recipes" / "train.py"), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def latest_state(run_dir: Path) -> dict:
+    ckpt = Checkpointer(run_dir / "checkpoints").find_checkpoint()
+    assert ckpt is not None and ckpt.end_of_epoch
+    return torch.load(ckpt.path / "state.pt", weights_only=False)["state"]
+
+
+def results(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def data_args(prepared_digits, tmp_path_factory) -> list[str]:  # noqa: F811
+    out = tmp_path_factory.mktemp("ddp_manifests")
+    return subset_manifests(prepared_digits, out, {"train": 48, "valid": 31, "test": 20})
+
+
+@pytest.fixture(scope="module")
+def runs(data_args, tmp_path_factory) -> dict[str, Path]:
+    """A 2-process DDP run and the matching single-process run (accumulating 2 batches)."""
+    root = tmp_path_factory.mktemp("ddp_runs")
+    ddp, single = root / "ddp", root / "single"
+    run_train([*COMMON, *data_args, f"hydra.run.dir={ddp}"], nproc=2)
+    run_train(
+        [*COMMON, *data_args, "trainer.grad_accumulation_factor=2", f"hydra.run.dir={single}"]
+    )
+    return {"ddp": ddp, "single": single}
+
+
+def test_ddp_matches_single_process_with_the_same_global_batch(runs):
+    ddp, single = latest_state(runs["ddp"]), latest_state(runs["single"])
+    assert ddp["brain"]["world_size"] == 2 and single["brain"]["world_size"] == 1
+    assert ddp["brain"]["optimizer_step"] == single["brain"]["optimizer_step"] >= 4
+    assert ddp["brain"]["avg_train_loss"] == pytest.approx(
+        single["brain"]["avg_train_loss"], rel=TOLERANCE
+    )
+    for name, weight in single["module.model"].items():
+        torch.testing.assert_close(ddp["module.model"][name], weight, rtol=0, atol=TOLERANCE)
+    ddp_res, single_res = results(runs["ddp"]), results(runs["single"])
+    assert ddp_res["world_size"] == 2 and ddp_res["distributed_backend"] == "gloo"
+    for split in ("valid_metrics", "test_metrics"):  # all-reduced over the ranks' shards
+        for key, value in single_res[split].items():
+            assert ddp_res[split][key] == pytest.approx(value, rel=TOLERANCE, abs=1e-6), key
+
+
+def test_only_rank_zero_writes_outputs(runs):
+    run_dir = runs["ddp"]
+    for name in ("results.json", "env.txt", "labels.json", "train.log"):
+        assert (run_dir / name).is_file(), name
+    writers = {p.name.split(".")[4] for p in (run_dir / "tb").rglob("events.out.tfevents.*")}
+    assert len(writers) == 1, f"TensorBoard events from several processes: {writers}"
+    log = (run_dir / "train.log").read_text()
+    assert log.count("epoch 1:") == 1 and log.count("test:") == 1  # rank 1 logs no INFO
+    ckpt_names = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    assert all(name.startswith("CKPT+") for name in ckpt_names), ckpt_names
+
+
+def test_ddp_checkpoint_resumes_in_one_process(runs, data_args):
+    before = results(runs["ddp"])["optimizer_steps"]
+    run_train([*COMMON, *data_args, "trainer.epochs=2", f"hydra.run.dir={runs['ddp']}"])
+    after = results(runs["ddp"])
+    assert after["world_size"] == 1 and after["epochs"] == 2
+    assert after["optimizer_steps"] > before
+    assert "Resumed from" in (runs["ddp"] / "train.log").read_text()
+
+
+def test_single_process_checkpoint_resumes_under_ddp(runs, data_args):
+    before = results(runs["single"])["optimizer_steps"]
+    args = [*COMMON, *data_args, "trainer.epochs=2", f"hydra.run.dir={runs['single']}"]
+    run_train(args, nproc=2)
+    after = results(runs["single"])
+    assert after["world_size"] == 2 and after["epochs"] == 2
+    assert after["optimizer_steps"] > before
+    assert "Resumed from" in (runs["single"] / "train.log").read_text()
+
