@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 RESULTS_FILE = "results.json"
 MISSING = "—"
 SPEEDUP_COLUMN = "speed-up vs fp32"
-_LEADING_COLUMNS = ("run", "status", "precision", "device", "model", "data")
+_LEADING_COLUMNS = ("run", "status", "precision", "device", "processes", "model", "data")
 _PRECISION_ORDER = ("fp32", "fp16", "bf16")
 _TRAILING_COLUMNS = ("utt/s", "audio-s/s", SPEEDUP_COLUMN, "peak memory MB", "wall time s")
 
@@ -81,6 +81,7 @@ def _comparison_key(run: dict[str, Any]) -> tuple:
     results = run["results"]
     return (
         results.get("device"),
+        results.get("world_size", 1),
         results.get("model"),
         results.get("data"),
         _non_precision_overrides(run["overrides"]),
@@ -160,6 +161,7 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
         row["status"] = "ok"
         for column in ("precision", "device", "model", "data"):
             row[column] = _format_number(results.get(column))
+        row["processes"] = str(results.get("world_size", 1))  # DDP ranks
         metrics = results.get("test_metrics") or {}
         for name in metric_names:
             row[name] = _format_number(metrics.get(name))
@@ -210,7 +212,7 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
     Returns:
         The table rows, sorted by overrides (runs that differ only in precision next to
         each other, in the order fp32, fp16, bf16): dicts from column name to the formatted cell
-        (``run``, ``status``, ``precision``, ``device``, ``model``, ``data``, each test
+        (``run``, ``status``, ``precision``, ``device``, ``processes``, ``model``, ``data``, each test
         metric, ``utt/s``, ``audio-s/s``, ``speed-up vs fp32``, ``peak memory MB``,
         ``wall time s``); missing values are ``"—"``.
     """

@@ -12,8 +12,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,48 @@ def test_single_process_checkpoint_resumes_under_ddp(runs, data_args):
     assert after["optimizer_steps"] > before
     assert "Resumed from" in (runs["single"] / "train.log").read_text()
 
+
+def test_sigterm_under_torchrun_saves_once_and_resumes(data_args, tmp_path):
+    """torchrun forwards SIGTERM to every rank; they stop after the same batch."""
+    run_dir = tmp_path / "run"
+    args = [
+        *COMMON,
+        *data_args,
+        "trainer.epochs=100",  # far more than it gets to run
+        "trainer.ckpt_interval_minutes=0",
+        "trainer.log_interval_steps=2",  # ranks agree on stopping every 2 steps
+        f"hydra.run.dir={run_dir}",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO_ROOT / "recipes" / "train.py"),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 300
+    while not list((run_dir / "checkpoints").glob("CKPT+*")):  # end of epoch 1
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode != 0
+    assert output.count("Run the same command again to resume") == 2, output[-3000:]
+    ckpts = Checkpointer(run_dir / "checkpoints").list_checkpoints()
+    mid_epoch = [c for c in ckpts if c.meta.get("intra_epoch")]
+    assert len(mid_epoch) == 1, "both ranks must save the same single mid-epoch checkpoint"
+    state = torch.load(mid_epoch[0].path / "state.pt", weights_only=False)["state"]
+    epoch, step = state["epoch_counter"]["current"], state["brain"]["step"]
+    assert step > 0 and step % 2 == 0  # a joint decision point
+
+    run_train([*args[:-1], f"trainer.epochs={epoch + 1}", args[-1]], nproc=2)
+    log = (run_dir / "train.log").read_text()
+    assert f"{step} batches into the epoch" in log
+    assert results(run_dir)["epochs"] == epoch + 1

@@ -60,6 +60,7 @@ def test_summarize_sweep_rows_and_speedups(tmp_path: Path) -> None:
         "status",
         "precision",
         "device",
+        "processes",
         "model",
         "data",
         "CER",
@@ -87,7 +88,7 @@ def test_summarize_sweep_rows_and_speedups(tmp_path: Path) -> None:
 
     markdown = (tmp_path / "summary.md").read_text()
     assert markdown.startswith("| run | status | precision |")
-    assert "| 1 | ok | fp16 | cpu | conformer_ctc | fsdd_digits | 1.23 |" in markdown
+    assert "| 1 | ok | fp16 | cpu | 1 | conformer_ctc | fsdd_digits | 1.23 |" in markdown
     assert "| 3 | failed | fp16 |" in markdown
     assert len(markdown.strip().splitlines()) == 2 + len(rows)
 
