@@ -211,10 +211,10 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
 
     Returns:
         The table rows, sorted by overrides (runs that differ only in precision next to
-        each other, in the order fp32, fp16, bf16): dicts from column name to the formatted cell
-        (``run``, ``status``, ``precision``, ``device``, ``processes``, ``model``, ``data``, each test
-        metric, ``utt/s``, ``audio-s/s``, ``speed-up vs fp32``, ``peak memory MB``,
-        ``wall time s``); missing values are ``"—"``.
+        each other, in the order fp32, fp16, bf16): dicts from column name to the formatted
+        cell (``run``, ``status``, ``precision``, ``device``, ``processes``, ``model``,
+        ``data``, each test metric, ``utt/s``, ``audio-s/s``, ``speed-up vs fp32``,
+        ``peak memory MB``, ``wall time s``); missing values are ``"—"``.
     """
     sweep_dir = Path(sweep_dir)
     rows = _build_rows(_collect_runs(sweep_dir))

@@ -22,3 +22,33 @@ def test_ci_runs_the_readme_test_command_verbatim():
     test_command = readme_commands()[1]
     ci_lines = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in ci_lines
+
+
+def readme_train_overrides() -> list[list[str]]:
+    """The overrides of every ``recipes/train.py`` command in the README (first sweep value)."""
+    found = []
+    for block in readme_commands():
+        for command in block.replace("\\\n", " ").splitlines():
+            command = command.split("#")[0]
+            if "recipes/train.py" not in command:
+                continue
+            args = command.split("recipes/train.py", 1)[1].split()
+            found.append([arg.split(",")[0] for arg in args if "=" in arg])
+    return found
+
+
+def test_every_readme_train_command_composes_and_validates():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from recipes.config import register_resolvers, validate_config
+    from tests.recipe_helpers import CONF_DIR
+
+    commands = readme_train_overrides()
+    assert len(commands) >= 10 and any("hydra/launcher=slurm" in c for c in commands)
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="t"):
+        for overrides in commands:
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+            validate_config(cfg)
