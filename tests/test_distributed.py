@@ -101,6 +101,13 @@ def _checks(rank: int, tmp: Path) -> dict:
     report["weights"] = [p.detach().flatten().tolist() for p in ddp.module.parameters()]
     report["avg_train_loss"] = brain.avg_train_loss
 
+    # SyncBatchNorm is CUDA-only in PyTorch: asking for it on CPU fails with the fix.
+    try:
+        TinyBrain({"model": torch.nn.BatchNorm1d(4)}, run_opts={"sync_batchnorm": True})
+        report["sync_bn_error"] = None
+    except DistributedConfigError as err:
+        report["sync_bn_error"] = str(err)
+
     # Speaker metrics: each rank counts its own shard; the reported accuracy is global.
     speaker = SpeakerBrain(modules={}, run_opts={"noprogressbar": True})
     speaker.correct, speaker.total = (9, 10) if rank == 0 else (1, 10)
@@ -168,6 +175,10 @@ def test_brain_wraps_ddp_and_syncs_gradients_only_on_optimizer_steps(reports):
     assert all(r["optimizer_steps"] == 2 for r in reports)
     assert reports[0]["weights"] == reports[1]["weights"]  # ranks stay in sync
     assert reports[0]["avg_train_loss"] == pytest.approx(reports[1]["avg_train_loss"])
+
+
+def test_sync_batchnorm_on_cpu_fails_with_the_fix(reports):
+    assert all("trainer.sync_batchnorm=false" in r["sync_bn_error"] for r in reports)
 
 
 def test_metric_counts_are_summed_over_ranks(reports):

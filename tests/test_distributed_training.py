@@ -201,3 +201,33 @@ def test_sigterm_under_torchrun_saves_once_and_resumes(data_args, tmp_path):
     log = (run_dir / "train.log").read_text()
     assert f"{step} batches into the epoch" in log
     assert results(run_dir)["epochs"] == epoch + 1
+
+
+@pytest.mark.gpu
+def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
+    """The nccl path: as many ranks as GPUs (a 1-GPU machine runs DDP with world size 1)."""
+    nproc = torch.cuda.device_count()
+    args = [arg for arg in COMMON if not arg.startswith("device=")]
+    run_dir = tmp_path / "run"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    result = subprocess.run(
+        [
+            *launcher,
+            f"--nproc_per_node={nproc}",
+            str(REPO_ROOT / "recipes" / "train.py"),
+            *args,
+            *data_args,
+            "device=cuda",
+            "precision=bf16",
+            "trainer.sync_batchnorm=true",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    res = results(run_dir)
+    assert res["world_size"] == nproc and res["distributed_backend"] == "nccl"
+    assert res["device"] == "cuda" and res["optimizer_steps"] > 0
