@@ -85,6 +85,7 @@ def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
         ("precision.name=fp8", "choose one of: fp32, fp16, bf16"),
         ("trainer.compile_mode=fastest", "choose one of: default, reduce-overhead"),
         ("model.task=speaker", "does not fit model.name='conformer_ctc'"),
+        ("trainer.distributed_backend=mpi", "choose one of: auto, nccl, gloo"),
     ],
 )
 def test_bad_values_fail_before_any_work(tmp_path, override, message):
