@@ -55,6 +55,7 @@ from amp_utils.distributed import (
     init_distributed,
 )
 from amp_utils.epoch_counter import EpochCounter
+from amp_utils.host_values import HostValues
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import (
     check_precision_supported,
@@ -93,11 +94,15 @@ class _StepInfo(NamedTuple):
 
 
 class _PendingBatch(NamedTuple):
-    """A trained batch whose loss (and step results) are not read from the device yet."""
+    """A trained batch whose loss (and step results) are on their way to the host.
+
+    ``values`` holds the loss, then (if the batch ended with an optimizer step) the
+    gradient norm and the skipped flag, then (fp16) the loss scale after the step.
+    """
 
     step: int
-    loss: torch.Tensor
-    step_info: _StepInfo | None
+    values: HostValues
+    stepped: bool
 
 
 def _step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
@@ -206,7 +211,7 @@ class Brain:
         self.skipped_steps = 0  # steps the scaler or the non-finite check skipped
         self.nonfinite_count = 0  # consecutive non-finite losses
         self.avg_train_loss = 0.0
-        self.last_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None  # of the last optimizer step read back
         self.train_stats = {"time_s": 0.0, "utterances": 0, "audio_s": 0.0}
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._pending: list[_PendingBatch] = []  # batches whose values are not read yet
@@ -397,7 +402,12 @@ class Brain:
             finite if self._window_finite is None else self._window_finite & finite
         )
         step_info = self.optimizers_step() if should_step else None
-        self._pending.append(_PendingBatch(self.step, global_loss, step_info))
+        values = [global_loss]
+        if step_info is not None:
+            values += [step_info.grad_norm, step_info.skipped]
+        if self.scaler.is_enabled():
+            values.append(self.scaler._get_scale_async())  # the tensor, no sync
+        self._pending.append(_PendingBatch(self.step, HostValues(values), step_info is not None))
         self.on_fit_batch_end(batch, outputs, loss, should_step)
         return loss.detach()
 
@@ -489,19 +499,22 @@ class Brain:
             self._account(item)
 
     def _account(self, item: _PendingBatch) -> None:
-        loss = float(item.loss)  # the one read of this batch's loss from the device
+        values = item.values.get()  # the one read of this batch's values from the device
+        loss = values[0]
         if self._count_nonfinite(loss, item.step):
             self._avg_count += 1
             self.avg_train_loss += (loss - self.avg_train_loss) / self._avg_count
-        if item.step_info is not None:
-            if bool(item.step_info.skipped):
+        if item.stepped:
+            grad_norm, skipped = values[1], values[2] > 0.5
+            if skipped:
                 self.skipped_steps += 1
             else:
                 self.optimizer_step += 1
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
-            self.last_grad_norm = item.step_info.grad_norm
-        self._log_train_step(item, loss)
+            self.last_grad_norm = grad_norm
+        scale = values[-1] if self.scaler.is_enabled() else None
+        self._log_train_step(item, loss, scale)
 
     @torch.no_grad()
     def evaluate_batch(self, batch: Any, stage: Stage) -> torch.Tensor:
@@ -620,16 +633,16 @@ class Brain:
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
 
-    def _log_train_step(self, item: _PendingBatch, loss: float) -> None:
+    def _log_train_step(self, item: _PendingBatch, loss: float, scale: float | None) -> None:
         if self.tensorboard is None or item.step % self.run_opts.log_interval_steps:
             return
         scalars: dict[str, float] = {"train/loss": loss}
         if self.optimizer is not None:
             scalars["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        if item.step_info is not None:
-            scalars["train/grad_norm"] = float(item.step_info.grad_norm)
-        if self.scaler.is_enabled():
-            scalars["train/loss_scale"] = self.scaler.get_scale()
+        if item.stepped and self.last_grad_norm is not None:
+            scalars["train/grad_norm"] = self.last_grad_norm
+        if scale is not None:
+            scalars["train/loss_scale"] = scale
         scalars["train/skipped_steps"] = self.skipped_steps
         elapsed = self.train_stats["time_s"] + time.perf_counter() - self._epoch_start
         if elapsed > 0:  # under DDP: rank 0's rate times the world size (cheap estimate)

@@ -37,8 +37,8 @@ def benchmark(cfg: DictConfig) -> list[dict]:
         seed_everything(cfg.seed)
         return build_brain(run_cfg, data, None, None), data.train
 
-    rows = run_benchmark(cfg, build)
     out = Path(cfg.output_dir)
+    rows = run_benchmark(cfg, build, profile_dir=out)
     table = summarize(rows)
     header = (
         f"device: {device_name(device)}; torch {torch.__version__}; model {cfg.model.name}; "

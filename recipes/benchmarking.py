@@ -5,9 +5,12 @@ AdamW + clipping, nothing else) over fixed-shape synthetic batches pre-staged on
 device, (b) ``brain``: ``Brain.fit_batch`` over the same batches, (c) ``staged``: the Brain
 over the real data's first batches, pre-staged on the device, and (d) ``loader``: the
 Brain over the same real batches streamed by the DataLoader, so loader/staged is the
-cost of loading alone (same shapes, same order). Warm-up steps are excluded; on CUDA, per-step times come
-from CUDA events (the device timeline, no sync between steps) and the device is
-synchronised only around a measurement.
+cost of loading alone (same shapes, same order). Warm-up steps are excluded; on CUDA,
+per-step times come from CUDA events (the device timeline, no sync between steps) and the
+device is synchronised only around a measurement. With ``benchmark.profile_steps`` the
+``torch.profiler`` summary of a few more steps (top ops by device or CPU time, kernel
+launches and aten ops per step) is written per precision and mode, to show why a target
+is missed.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 
+from amp_utils.atomic import atomic_write_text
 from amp_utils.autocast import PRECISIONS
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import configure_tf32
@@ -138,6 +145,31 @@ def time_steps(
     }
 
 
+def profile_steps(
+    step: Callable[[AudioBatch], None],
+    batches: Iterator[AudioBatch],
+    steps: int,
+    device: torch.device,
+) -> str:
+    """``torch.profiler`` summary of ``steps`` steps: launches per step and the top ops."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step(next(batches))
+        if cuda:
+            torch.cuda.synchronize(device)
+    averages = prof.key_averages()
+    kernels = sum(e.count for e in averages if e.device_type == DeviceType.CUDA)
+    aten_ops = sum(e.count for e in averages if e.key.startswith("aten::"))
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return (
+        f"{steps} profiled steps on {device}; per step: {kernels / steps:.0f} GPU kernel "
+        f"launches, {aten_ops / steps:.0f} aten op calls; sorted by {sort_by}\n\n"
+        + averages.table(sort_by=sort_by, row_limit=25)
+    )
+
+
 def cycle(items: list[AudioBatch]) -> Iterator[AudioBatch]:
     """Endless iterator over ``items``."""
     while True:
@@ -198,8 +230,16 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_benchmark(cfg: DictConfig, build: Callable[[DictConfig], tuple[AudioBrain, Any]]) -> list:
-    """Time every (precision, mode) of ``cfg.benchmark``; ``build`` makes brain + loader."""
+def run_benchmark(
+    cfg: DictConfig,
+    build: Callable[[DictConfig], tuple[AudioBrain, Any]],
+    profile_dir: Path | None = None,
+) -> list:
+    """Time every (precision, mode) of ``cfg.benchmark``; ``build`` makes brain + loader.
+
+    With ``cfg.benchmark.profile_steps > 0`` and ``profile_dir``, also writes
+    ``profile_<mode>_<precision>.txt`` there for every timed mode.
+    """
     rows = []
     variants = [(p, False) for p in cfg.benchmark.precisions]
     if cfg.benchmark.tf32_baseline and "fp32" in cfg.benchmark.precisions:
@@ -223,7 +263,7 @@ def run_benchmark(cfg: DictConfig, build: Callable[[DictConfig], tuple[AudioBrai
             elif mode == "staged":
                 count = cfg.benchmark.warmup_steps + cfg.benchmark.steps
                 step = brain_step_fn(brain)
-                batches = iter(staged_batches(loader, count, brain.device))
+                batches = cycle(staged_batches(loader, count, brain.device))
             elif mode == "loader":
                 step, batches = brain_step_fn(brain), loader_batches(loader)
             else:
@@ -233,6 +273,10 @@ def run_benchmark(cfg: DictConfig, build: Callable[[DictConfig], tuple[AudioBrai
             stats = time_steps(
                 step, batches, cfg.benchmark.warmup_steps, cfg.benchmark.steps, brain.device
             )
+            if cfg.benchmark.profile_steps > 0 and profile_dir is not None:
+                summary = profile_steps(step, batches, cfg.benchmark.profile_steps, brain.device)
+                variant = precision + ("+tf32" if tf32 else "")
+                atomic_write_text(profile_dir / f"profile_{mode}_{variant}.txt", summary)
             brain._flush_pending()
             if mode in ("bare", "brain"):  # synthetic batches
                 stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds

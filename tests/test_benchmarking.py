@@ -54,6 +54,7 @@ def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
             "benchmark.steps=3",
             "benchmark.warmup_steps=1",
             "benchmark.precisions=[fp32,bf16]",
+            "benchmark.profile_steps=1",
             "data.max_batch_seconds=4",
             f"data.prepared_dir={tmp_path / 'prepared'}",
             f"hydra.run.dir={out}",
@@ -72,3 +73,6 @@ def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
     assert staged["audio_seconds"] == pytest.approx(loader["audio_seconds"])
     assert all(r["steps_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in rows)
     assert "loader/staged" in (out / "benchmark.md").read_text()
+    profile = (out / "profile_loader_bf16.txt").read_text()
+    assert "aten op calls" in profile and "aten::" in profile  # the profiler's op table
+    assert len(list(out.glob("profile_*.txt"))) == 8
