@@ -11,6 +11,8 @@ RUN_LIMIT=${RUN_LIMIT:-85}       # time limit of one training run
 BENCH_STEPS=${BENCH_STEPS:-30}   # timed steps per benchmark measurement
 TEST_LIMIT=${TEST_LIMIT:-70}     # time limit of the GPU tests
 BENCH_LIMIT=${BENCH_LIMIT:-150}  # time limit of the step benchmark
+PROFILE_STEPS=${PROFILE_STEPS:-3}  # torch.profiler summary of N steps per mode (0: off)
+COMPILE_LIMIT=${COMPILE_LIMIT:-0}  # > 0: also benchmark trainer.compile=true within this limit
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
@@ -34,7 +36,14 @@ python3 -c "import sys, pathlib; from amp_utils.sweep_summary import summarize_s
 [s(pathlib.Path(d)) for d in sys.argv[1:] if pathlib.Path(d).is_dir()]" \
   "$OUT/sweep_asr" "$OUT/sweep_spk"
 timeout "$BENCH_LIMIT" python3 recipes/benchmark.py device=cuda benchmark.steps="$BENCH_STEPS" \
-  benchmark.warmup_steps=8 hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1
+  benchmark.warmup_steps=8 benchmark.profile_steps="$PROFILE_STEPS" hydra.run.dir="$OUT/bench" \
+  > "$OUT/bench.log" 2>&1
+if [ "$COMPILE_LIMIT" -gt 0 ]; then
+  timeout "$COMPILE_LIMIT" python3 recipes/benchmark.py device=cuda trainer.compile=true \
+    benchmark.steps="$BENCH_STEPS" benchmark.warmup_steps=8 benchmark.modes=[bare,brain,staged] \
+    benchmark.profile_steps="$PROFILE_STEPS" hydra.run.dir="$OUT/bench_compile" \
+    > "$OUT/bench_compile.log" 2>&1
+fi
 tar czf "$OUT/runs.tgz" --exclude=checkpoints --exclude='*.tfevents*' -C "$OUT" \
-  bench sweep_asr sweep_spk 2>/dev/null
+  bench bench_compile sweep_asr sweep_spk 2>/dev/null
 echo done
