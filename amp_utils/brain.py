@@ -186,7 +186,7 @@ class Brain:
         device = resolve_device(self.run_opts.device)
         self.distributed = init_distributed(self.run_opts.distributed_backend, device.type)
         if self.distributed.enabled and device.type == "cuda":
-            device = torch.device("cuda", self.distributed.local_rank)  # one GPU per process
+            device = torch.device("cuda", torch.cuda.current_device())  # set for this rank
         self.device = device
         self.device_type = self.device.type
         self.amp = AMPConfig.from_name(self.run_opts.precision)

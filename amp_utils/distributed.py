@@ -97,26 +97,33 @@ def init_distributed(backend: str = "auto", device_type: str = "cpu") -> Distrib
 
     On CUDA each process is pinned to GPU ``LOCAL_RANK``. Safe to call more than once.
     """
-    if dist.is_available() and dist.is_initialized():
-        return distributed_info()
-    if not launched_distributed():
+    already = dist.is_available() and dist.is_initialized()
+    if not already and not launched_distributed():
         return DistributedInfo()
-    backend = resolve_backend(backend, device_type)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise DistributedConfigError(
-                f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} "
-                "GPU(s). Fix: start at most one process per GPU (torchrun "
-                "--nproc_per_node=<number of GPUs>)."
-            )
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend)
+        torch.cuda.set_device(_local_gpu(int(os.environ.get("LOCAL_RANK", 0))))
+    if already:  # started by the caller's own code
+        return distributed_info()
+    dist.init_process_group(backend=resolve_backend(backend, device_type))
     atexit.register(destroy_distributed)
     info = distributed_info()
     if info.is_main:
-        logger.info("Distributed: %d processes, backend %s", info.world_size, backend)
+        logger.info("Distributed: %d processes, backend %s", info.world_size, info.backend)
     return info
+
+
+def _local_gpu(local_rank: int) -> int:
+    """This process's GPU: number LOCAL_RANK, or the only one it sees (SLURM GPU binding)."""
+    visible = torch.cuda.device_count()
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:  # e.g. --gpus-per-task=1: each process sees just its own GPU
+        return 0
+    raise DistributedConfigError(
+        f"LOCAL_RANK={local_rank} but this process sees {visible} GPU(s). Fix: start at most "
+        "one process per GPU (torchrun --nproc_per_node=<number of GPUs>, or SLURM "
+        "tasks_per_node = gpus_per_node)."
+    )
 
 
 def distributed_info() -> DistributedInfo:

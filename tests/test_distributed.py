@@ -198,3 +198,14 @@ def test_backend_choice_is_checked():
         resolve_backend("nccl", "cpu")
     with pytest.raises(DistributedConfigError, match="choose one of: auto, nccl, gloo"):
         resolve_backend("mpi", "cpu")
+
+
+def test_each_rank_gets_its_own_gpu(monkeypatch):
+    from amp_utils import distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert distributed._local_gpu(3) == 3
+    with pytest.raises(DistributedConfigError, match="one process per GPU"):
+        distributed._local_gpu(4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # SLURM bound one GPU
+    assert distributed._local_gpu(2) == 0
