@@ -22,7 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import Checkpointer, EpochCounter, RunOptions, resolve_device
 from amp_utils.atomic import atomic_write_json
-from amp_utils.distributed import DistributedInfo, init_distributed, run_on_main
+from amp_utils.distributed import (
+    DistributedInfo,
+    any_rank,
+    broadcast_object,
+    init_distributed,
+    run_on_main,
+)
 from amp_utils.run_env import write_env_file
 from amp_utils.tensorboard import TensorBoardLogger
 from data.features import LogMelFeatures, SpecAugment
@@ -214,12 +220,25 @@ def start_distributed(opts: RunOptions) -> DistributedInfo:
     return info
 
 
+def check_same_run_folder(out_dir: Path) -> None:
+    """Under DDP, every rank must have composed the same run folder as rank 0."""
+    differs = broadcast_object(str(out_dir)) != str(out_dir)
+    if any_rank(differs)[0]:
+        raise ConfigError(
+            f"The DDP processes composed different run folders (this one: {out_dir}); the "
+            "folder name holds a clock (e.g. a -m sweep under torchrun). Fix: give a fixed "
+            "folder (hydra.run.dir=PATH, or hydra.sweep.dir=PATH for -m), or run sweeps "
+            "through hydra/launcher=submitit_local or slurm."
+        )
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one experiment described by ``cfg``; returns what it writes to results.json."""
     start = time.time()
     validate_config(cfg)
     opts = run_options(cfg)
     dist_info = start_distributed(opts)
+    check_same_run_folder(Path(cfg.output_dir))
     out_dir = run_on_main(ensure_writable, args=(Path(cfg.output_dir),))
     seed_everything(cfg.seed)
     device = resolve_device(opts.device)

@@ -231,3 +231,25 @@ def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
     res = results(run_dir)
     assert res["world_size"] == nproc and res["distributed_backend"] == "nccl"
     assert res["device"] == "cuda" and res["optimizer_steps"] > 0
+
+
+def test_ranks_with_different_run_folders_stop_with_the_fix(tmp_path):
+    """A clock in the folder name gives each rank its own folder: refused on every rank."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO_ROOT / "recipes" / "train.py"),
+        *COMMON,
+        f"hydra.run.dir={tmp_path}/run_${{now:%H-%M-%S-%f}}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert output.count("error: The DDP processes composed different run folders") == 2
+    assert "hydra.run.dir=PATH" in output
