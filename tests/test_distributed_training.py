@@ -64,21 +64,29 @@ def subset_manifests(prepared: Path, out: Path, sizes: dict[str, int]) -> list[s
     return overrides
 
 
-def run_train(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    """recipes/train.py in one process, or under torchrun with ``nproc`` processes."""
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train_command(args: list[str], nproc: int = 1, torchrun: bool | None = None) -> list[str]:
+    """recipes/train.py in one process, or under torchrun (default: if ``nproc`` > 1)."""
     launcher = [sys.executable]
-    if nproc > 1:
+    if torchrun or (torchrun is None and nproc > 1):
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return [*launcher, str(REPO_ROOT / "recipes" / "train.py"), *args]
+
+
+def run_train(args: list[str], nproc: int = 1, ok: bool = True) -> subprocess.CompletedProcess:
+    """Run the recipe to the end; with ``ok``, check that it succeeded."""
     result = subprocess.run(
-        [*launcher, str(REPO_ROOT / "recipes" / "train.py"), *args],
+        train_command(args, nproc),
         cwd=REPO_ROOT,
-        env=env,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if ok:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
@@ -168,18 +176,12 @@ def test_sigterm_under_torchrun_saves_once_and_resumes(data_args, tmp_path):
         "trainer.log_interval_steps=2",  # ranks agree on stopping every 2 steps
         f"hydra.run.dir={run_dir}",
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO_ROOT / "recipes" / "train.py"),
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        train_command(args, nproc=2),
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 300
     while not list((run_dir / "checkpoints").glob("CKPT+*")):  # end of epoch 1
@@ -209,23 +211,13 @@ def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
     nproc = torch.cuda.device_count()
     args = [arg for arg in COMMON if not arg.startswith("device=")]
     run_dir = tmp_path / "run"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cuda = ["device=cuda", "precision=bf16", "trainer.sync_batchnorm=true"]
+    # torchrun even for one GPU: DDP with world size 1 still runs the nccl code path.
+    command = train_command(
+        [*args, *data_args, *cuda, f"hydra.run.dir={run_dir}"], nproc=nproc, torchrun=True
+    )
     result = subprocess.run(
-        [
-            *launcher,
-            f"--nproc_per_node={nproc}",
-            str(REPO_ROOT / "recipes" / "train.py"),
-            *args,
-            *data_args,
-            "device=cuda",
-            "precision=bf16",
-            "trainer.sync_batchnorm=true",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     res = results(run_dir)
@@ -235,20 +227,8 @@ def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
 
 def test_ranks_with_different_run_folders_stop_with_the_fix(tmp_path):
     """A clock in the folder name gives each rank its own folder: refused on every rank."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO_ROOT / "recipes" / "train.py"),
-        *COMMON,
-        f"hydra.run.dir={tmp_path}/run_${{now:%H-%M-%S-%f}}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    clocked = f"hydra.run.dir={tmp_path}/run_${{now:%H-%M-%S-%f}}"
+    result = run_train([*COMMON, clocked], nproc=2, ok=False)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert output.count("error: The DDP processes composed different run folders") == 2
