@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant creates a second loader iterator
 
 from amp_utils.autocast import AMPConfig, TorchAutocast
@@ -372,10 +372,22 @@ class Brain:
         """Wrap a dataset in a DataLoader with its own seeded generator.
 
         The loader's own generator keeps loader start-up from consuming the global RNG, so
-        a resumed run sees the same random stream as an uninterrupted one.
+        a resumed run sees the same random stream as an uninterrupted one. Under DDP, a
+        training loader without its own sampler gets a ``DistributedSampler`` (each rank a
+        disjoint, equally long shard, reshuffled per epoch when ``shuffle=True``).
         """
         if "generator" not in loader_kwargs:
             loader_kwargs["generator"] = torch.Generator().manual_seed(self.run_opts.seed)
+        has_sampler = {"sampler", "batch_sampler"} & set(loader_kwargs)
+        if stage == Stage.TRAIN and self.distributed.world_size > 1 and not has_sampler:
+            loader_kwargs["sampler"] = DistributedSampler(
+                dataset,
+                num_replicas=self.distributed.world_size,
+                rank=self.distributed.rank,
+                shuffle=bool(loader_kwargs.pop("shuffle", False)),
+                seed=self.run_opts.seed,
+                drop_last=True,
+            )
         return DataLoader(dataset, **loader_kwargs)
 
     # ------------------------------------------------------------- one batch

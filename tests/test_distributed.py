@@ -101,6 +101,10 @@ def _checks(rank: int, tmp: Path) -> dict:
     report["weights"] = [p.detach().flatten().tolist() for p in ddp.module.parameters()]
     report["avg_train_loss"] = brain.avg_train_loss
 
+    # Plain datasets handed to the Brain are sharded for training (SpeechBrain's behaviour).
+    loader = brain.make_dataloader(list(range(10)), Stage.TRAIN, batch_size=2, shuffle=True)
+    report["train_shard"] = [int(i) for batch in loader for i in batch]
+
     # SyncBatchNorm is CUDA-only in PyTorch: asking for it on CPU fails with the fix.
     try:
         TinyBrain({"model": torch.nn.BatchNorm1d(4)}, run_opts={"sync_batchnorm": True})
@@ -175,6 +179,12 @@ def test_brain_wraps_ddp_and_syncs_gradients_only_on_optimizer_steps(reports):
     assert all(r["optimizer_steps"] == 2 for r in reports)
     assert reports[0]["weights"] == reports[1]["weights"]  # ranks stay in sync
     assert reports[0]["avg_train_loss"] == pytest.approx(reports[1]["avg_train_loss"])
+
+
+def test_plain_training_datasets_are_sharded(reports):
+    shards = [r["train_shard"] for r in reports]
+    assert all(len(shard) == 5 for shard in shards)
+    assert sorted(shards[0] + shards[1]) == list(range(10))
 
 
 def test_sync_batchnorm_on_cpu_fails_with_the_fix(reports):
