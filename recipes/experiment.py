@@ -26,6 +26,7 @@ from amp_utils.distributed import (
     DistributedInfo,
     any_rank,
     broadcast_object,
+    ddp_barrier,
     init_distributed,
     run_on_main,
 )
@@ -285,6 +286,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "skipped_files": len(data.skipped_files),
             "torch_version": torch.__version__,
         }
+        ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store
         if not main:
             return results
         atomic_write_json(out_dir / "results.json", results)

@@ -7,9 +7,12 @@ tests then compare the ranks' reports.
 
 from __future__ import annotations
 
+import datetime
+import faulthandler
 import json
 import os
 import socket
+import sys
 import traceback
 from pathlib import Path
 
@@ -129,13 +132,19 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         WORLD_SIZE=str(WORLD_SIZE),
     )
     torch.set_num_threads(1)
+    faulthandler.enable()  # a native crash prints the Python stack
     out = Path(tmp) / f"rank{rank}.json"
     try:
         out.write_text(json.dumps(_checks(rank, Path(tmp))))
     except Exception:  # reported to the test, which fails with the traceback
         out.write_text(json.dumps({"error": traceback.format_exc()}))
-    finally:
-        torch.distributed.destroy_process_group()
+    # Leave together (rank 0 hosts the rendezvous store), without interpreter teardown:
+    # the reports are written, and the harness only needs a clean exit code.
+    torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=120))
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
