@@ -221,25 +221,26 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _all_reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
+    """``op`` over all ranks, as a new tensor on the input's device."""
+    if not _multi_process():
+        return tensor
+    comm = tensor.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(comm, op=op)
+    return comm.to(tensor.device, non_blocking=True)
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum of ``tensor`` over all ranks (a new tensor on the input's device).
 
     On the GPU with nccl this is queued on the stream and does not wait for the device.
     """
-    if not _multi_process():
-        return tensor
-    comm = tensor.detach().to(_comm_device(), copy=True)
-    dist.all_reduce(comm, op=dist.ReduceOp.SUM)
-    return comm.to(tensor.device, non_blocking=True)
+    return _all_reduce(tensor, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     """Element-wise maximum of ``tensor`` over all ranks."""
-    if not _multi_process():
-        return tensor
-    comm = tensor.detach().to(_comm_device(), copy=True)
-    dist.all_reduce(comm, op=dist.ReduceOp.MAX)
-    return comm.to(tensor.device, non_blocking=True)
+    return _all_reduce(tensor, dist.ReduceOp.MAX)
 
 
 def all_reduce_counts(counts: Mapping[str, float]) -> dict[str, float]:
