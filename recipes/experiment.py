@@ -10,6 +10,7 @@ every rank builds the same objects, and only rank 0 logs and writes the run's fi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -45,25 +46,7 @@ from recipes.speaker.model import XVector
 logger = logging.getLogger(__name__)
 
 LABELS_FILE = "labels.json"  # task and speaker names, for inference
-RUN_OPTION_KEYS = (
-    "max_grad_norm",
-    "grad_accumulation_factor",
-    "skip_nonfinite_grads",
-    "nonfinite_patience",
-    "noprogressbar",
-    "ckpt_interval_minutes",
-    "ckpt_interval_steps",
-    "debug",
-    "debug_batches",
-    "debug_epochs",
-    "compile",
-    "compile_module_keys",
-    "compile_mode",
-    "log_interval_steps",
-    "distributed_backend",
-    "sync_batchnorm",
-    "find_unused_parameters",
-)
+RUN_OPTION_KEYS = frozenset(f.name for f in dataclasses.fields(RunOptions))  # trainer keys
 
 
 def run_options(cfg: DictConfig) -> RunOptions:
@@ -71,7 +54,7 @@ def run_options(cfg: DictConfig) -> RunOptions:
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     return RunOptions.from_dict(
         {
-            **{key: trainer[key] for key in RUN_OPTION_KEYS},
+            **{key: value for key, value in trainer.items() if key in RUN_OPTION_KEYS},
             "device": cfg.device.name,
             "precision": cfg.precision.name,
             "eval_precision": cfg.precision.eval_precision,
@@ -213,9 +196,9 @@ def ensure_writable(out_dir: Path) -> Path:
     return out_dir
 
 
-def start_distributed(opts: RunOptions) -> DistributedInfo:
+def start_distributed(opts: RunOptions, device: torch.device) -> DistributedInfo:
     """Join the DDP process group if launched for it; quiet the logs of ranks other than 0."""
-    info = init_distributed(opts.distributed_backend, resolve_device(opts.device).type)
+    info = init_distributed(opts.distributed_backend, device.type)
     if not info.is_main:  # rank 0 logs the run; the others only warnings and errors
         logging.getLogger().setLevel(logging.WARNING)
     return info
@@ -238,11 +221,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start = time.time()
     validate_config(cfg)
     opts = run_options(cfg)
-    dist_info = start_distributed(opts)
+    device = resolve_device(opts.device)
+    dist_info = start_distributed(opts, device)
     check_same_run_folder(Path(cfg.output_dir))
     out_dir = run_on_main(ensure_writable, args=(Path(cfg.output_dir),))
     seed_everything(cfg.seed)
-    device = resolve_device(opts.device)
     data = build_data(cfg, device, dist_info)
     main = dist_info.is_main
     if main:
