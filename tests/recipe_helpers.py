@@ -59,14 +59,24 @@ def compose_config(overrides: list[str]) -> DictConfig:
         return compose(config_name="config", overrides=overrides)
 
 
+def recipe_command(
+    script: str, args: list[str], nproc: int = 1, torchrun: bool | None = None
+) -> list[str]:
+    """``recipes/<script>`` in one process, or under torchrun (default: if ``nproc`` > 1)."""
+    launcher = [sys.executable]
+    if torchrun or (torchrun is None and nproc > 1):
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, str(REPO_ROOT / "recipes" / script), *args]
+
+
+def run_command(command: list[str], env: dict[str, str], timeout: int = 600):
+    """Run ``command`` from the repo root to its end, capturing its output as text."""
+    return subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def run_cli(script: str, args: list[str], fsdd_root: Path, timeout: int = 600):
     """Run ``recipes/<script>`` in a subprocess from the repo root; returns the result."""
     env = {**os.environ, "FSDD_ROOT": str(fsdd_root), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "recipes" / script), *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_command(recipe_command(script, args), env, timeout)

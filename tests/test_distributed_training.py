@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from amp_utils import Checkpointer
-from tests.recipe_helpers import MANIFEST_8K, REPO_ROOT
+from tests.recipe_helpers import MANIFEST_8K, REPO_ROOT, recipe_command, run_command
 from tests.test_recipes import prepared_digits  # noqa: F401 - session fixture
 
 pytestmark = pytest.mark.skipif(
@@ -67,24 +66,9 @@ def subset_manifests(prepared: Path, out: Path, sizes: dict[str, int]) -> list[s
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def train_command(args: list[str], nproc: int = 1, torchrun: bool | None = None) -> list[str]:
-    """recipes/train.py in one process, or under torchrun (default: if ``nproc`` > 1)."""
-    launcher = [sys.executable]
-    if torchrun or (torchrun is None and nproc > 1):
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, str(REPO_ROOT / "recipes" / "train.py"), *args]
-
-
 def run_train(args: list[str], nproc: int = 1, ok: bool = True) -> subprocess.CompletedProcess:
     """Run the recipe to the end; with ``ok``, check that it succeeded."""
-    result = subprocess.run(
-        train_command(args, nproc),
-        cwd=REPO_ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_command(recipe_command("train.py", args, nproc), ENV)
     if ok:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -177,7 +161,7 @@ def test_sigterm_under_torchrun_saves_once_and_resumes(data_args, tmp_path):
         f"hydra.run.dir={run_dir}",
     ]
     proc = subprocess.Popen(
-        train_command(args, nproc=2),
+        recipe_command("train.py", args, nproc=2),
         cwd=REPO_ROOT,
         env=ENV,
         stdout=subprocess.PIPE,
@@ -213,12 +197,13 @@ def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
     run_dir = tmp_path / "run"
     cuda = ["device=cuda", "precision=bf16", "trainer.sync_batchnorm=true"]
     # torchrun even for one GPU: DDP with world size 1 still runs the nccl code path.
-    command = train_command(
-        [*args, *data_args, *cuda, f"hydra.run.dir={run_dir}"], nproc=nproc, torchrun=True
+    command = recipe_command(
+        "train.py",
+        [*args, *data_args, *cuda, f"hydra.run.dir={run_dir}"],
+        nproc=nproc,
+        torchrun=True,
     )
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=600
-    )
+    result = run_command(command, ENV)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     res = results(run_dir)
     assert res["world_size"] == nproc and res["distributed_backend"] == "nccl"

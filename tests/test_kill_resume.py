@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from amp_utils import Checkpointer
-from tests.recipe_helpers import FAST, REPO_ROOT
+from tests.recipe_helpers import FAST, REPO_ROOT, recipe_command, run_command
 
 ARGS = [
     *FAST,
@@ -34,13 +33,8 @@ ARGS = [
 
 
 def command(run_dir: Path, prepared: Path) -> list[str]:
-    return [
-        sys.executable,
-        str(REPO_ROOT / "recipes" / "train.py"),
-        *ARGS,
-        f"data.prepared_dir={prepared}",
-        f"hydra.run.dir={run_dir}",
-    ]
+    args = [*ARGS, f"data.prepared_dir={prepared}", f"hydra.run.dir={run_dir}"]
+    return recipe_command("train.py", args)
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -94,14 +88,7 @@ def run_with_kills(run_dir: Path, prepared: Path, env: dict, kills: int, seed: i
         assert [c.path for c in readable] == folders
         for found in readable:
             torch.load(found.path / "state.pt", weights_only=False)
-    result = subprocess.run(
-        command(run_dir, prepared),
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_command(command(run_dir, prepared), env)
     assert result.returncode == 0, result.stderr[-3000:]
     return killed
 
