@@ -107,10 +107,14 @@ class AudioBrain(Brain):
         for name, value in counts.items():
             setattr(self, name, value)
 
+    @classmethod
+    def best_checkpoint_key(cls) -> dict[str, str]:
+        """``min_key=``/``max_key=`` that picks the best checkpoint by the recipe's metric."""
+        return {"min_key" if cls.metric_mode == "min" else "max_key": cls.metric_key}
+
     def evaluate_best(self, test_loader: Any) -> dict[str, float]:
         """Evaluate with the best checkpoint by the recipe's metric; returns test metrics."""
-        key = {"min_key" if self.metric_mode == "min" else "max_key": self.metric_key}
-        self.evaluate(test_loader, **key)
+        self.evaluate(test_loader, **self.best_checkpoint_key())
         return self.test_metrics
 
 

@@ -46,6 +46,7 @@ from recipes.speaker.model import XVector
 logger = logging.getLogger(__name__)
 
 LABELS_FILE = "labels.json"  # task and speaker names, for inference
+BRAINS: dict[str, type[AudioBrain]] = {"asr": ASRBrain, "speaker": SpeakerBrain}  # by task
 RUN_OPTION_KEYS = frozenset(f.name for f in dataclasses.fields(RunOptions))  # trainer keys
 
 
@@ -142,8 +143,7 @@ def build_brain(
         schedule = warmup_cosine(cfg.model.warmup_steps, cfg.trainer.epochs * steps_per_epoch)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
-    brain_cls = ASRBrain if cfg.model.task == "asr" else SpeakerBrain
-    return brain_cls(
+    return BRAINS[cfg.model.task](
         modules=modules,
         opt_class=opt_class,
         hparams={

@@ -16,7 +16,7 @@ from data.dataset import AudioDataset, collate_audio
 from data.manifest import Utterance
 from data.text import CharTokenizer, ctc_greedy_decode
 from recipes.asr.model import ctc_log_probs
-from recipes.experiment import LABELS_FILE, build_features, build_model
+from recipes.experiment import BRAINS, LABELS_FILE, build_features, build_model
 
 
 class RunNotFoundError(FileNotFoundError):
@@ -89,7 +89,6 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
     check_precision_supported(amp, dev)
     features, model = build_features(cfg), build_model(cfg, speakers)
     ckpt = Checkpointer(run_dir / "checkpoints", {"module.model": model}, allow_partial_load=True)
-    key = {"min_key": "CER"} if cfg.model.task == "asr" else {"max_key": "accuracy"}
-    if ckpt.recover_if_possible(**key) is None:
+    if ckpt.recover_if_possible(**BRAINS[cfg.model.task].best_checkpoint_key()) is None:
         raise RunNotFoundError(f"No readable checkpoint in {run_dir / 'checkpoints'}.")
     return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), speakers, dev, amp)
