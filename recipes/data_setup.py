@@ -1,7 +1,7 @@
 """From the ``data`` config to checked datasets and duration-batched DataLoaders.
 
-Under DDP, rank 0 alone downloads and prepares the data (the others wait and then read
-its manifests) and every split is sharded over the ranks: training shards have equal
+Under DDP, rank 0 alone downloads, prepares and checks the data (the others wait and get
+its utterance lists) and every split is sharded over the ranks: training shards have equal
 batch counts (DDP steps together), evaluation shards together cover the whole split.
 """
 
@@ -98,8 +98,10 @@ def build_data(
     """
     data_cfg = cfg.data
     dist_info = dist_info or DistributedInfo()
-    manifests = run_on_main(prepare_manifests, args=(data_cfg,))
-    utterances, skipped = load_utterances(manifests, data_cfg.skip_bad_files)
+    # Rank 0 prepares and checks the data once; the others get its utterance lists.
+    utterances, skipped = run_on_main(
+        lambda: load_utterances(prepare_manifests(data_cfg), data_cfg.skip_bad_files)
+    )
     tokenizer = CharTokenizer() if cfg.model.task == "asr" else None
     if cfg.model.task == "speaker":  # closed set: evaluation speakers must be trained on
         speakers = sorted({utt.speaker for utt in utterances["train"]})
