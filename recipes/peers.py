@@ -35,6 +35,8 @@ What differs from our loop (also returned per run as ``PeerResult.notes``):
   (``fused=True`` AdamW) under ``16-mixed`` *and* ``bf16-mixed``; with clipping on it gets
   ``foreach`` AdamW instead. Its fp16 ``GradScaler.step`` then reads ``found_inf`` on the
   host: one device sync per step.
+* Lightning's mixed precision runs ``torch.autocast(..., cache_enabled=False)``: no cache of
+  weight casts within a forward (ours keeps PyTorch's default, the cache on).
 * Lightning turns ``precision="16-mixed"`` on the CPU into ``bf16-mixed`` (with a warning),
   and SpeechBrain refuses fp16 on the CPU; both report ``"unsupported"`` for that case,
   while our loop runs it (CPU autocast + ``GradScaler("cpu")``).
@@ -438,6 +440,10 @@ def lightning_peer(
         notes.append(
             "Lightning: gradient_clip_val with a fused optimizer is refused under "
             f"{LIGHTNING_PRECISIONS[precision]} -> foreach AdamW"
+        )
+    if precision != "fp32":
+        notes.append(
+            "Lightning: autocast(cache_enabled=False): weight casts are not cached in a forward"
         )
     if precision == "fp16" and not fused:
         notes.append("Lightning: fp16 GradScaler.step with a non-fused optimizer syncs the host")
