@@ -8,7 +8,7 @@ utterance, instead of inside a DataLoader worker mid-epoch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ class AudioBatch:
         speakers: ``[B]`` int64 speaker indices.
         transcripts: transcripts as text.
         durations: ``[B]`` float32 durations in seconds.
+        host: after ``to(device)``, the batch as it was on the host. Lengths read from it
+            (e.g. by the CTC loss, which needs them on the CPU) cost no device sync.
     """
 
     ids: list[str]
@@ -42,6 +44,7 @@ class AudioBatch:
     speakers: torch.Tensor
     transcripts: list[str]
     durations: torch.Tensor
+    host: AudioBatch | None = field(default=None, repr=False, compare=False)
 
     def _map_tensors(self, fn: Any) -> AudioBatch:
         changes = {
@@ -52,8 +55,10 @@ class AudioBatch:
         return replace(self, **changes)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> AudioBatch:
-        """Copy of the batch with every tensor moved to ``device``."""
-        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        """Copy with every tensor moved to ``device``; ``host`` keeps the batch on the CPU."""
+        moved = self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        host = self.host if self.host is not None else self
+        return replace(moved, host=host if host.wavs.device.type == "cpu" else None)
 
     def pin_memory(self) -> AudioBatch:
         """Copy with tensors in pinned memory; called by ``DataLoader(pin_memory=True)``."""
@@ -136,21 +141,24 @@ class AudioDataset(torch.utils.data.Dataset):
         }
 
 
-def _pad(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    longest = max((t.numel() for t in tensors), default=0)
+def _pad(tensors: list[torch.Tensor], dtype: torch.dtype, length: int = 0) -> torch.Tensor:
+    longest = max([length] + [t.numel() for t in tensors])
     out = torch.zeros(len(tensors), longest, dtype=dtype)
     for row, tensor in enumerate(tensors):
         out[row, : tensor.numel()] = tensor
     return out
 
 
-def collate_audio(items: Sequence[dict[str, Any]]) -> AudioBatch:
-    """Pad a list of ``AudioDataset`` items into an ``AudioBatch``."""
+def collate_audio(items: Sequence[dict[str, Any]], pad_samples: int = 0) -> AudioBatch:
+    """Pad a list of ``AudioDataset`` items into an ``AudioBatch``.
+
+    Waveforms are padded to the longest one, or to ``pad_samples`` if that is longer.
+    """
     wavs = [item["wav"] for item in items]
     tokens = [item["tokens"] for item in items]
     return AudioBatch(
         ids=[item["id"] for item in items],
-        wavs=_pad(wavs, torch.float32),
+        wavs=_pad(wavs, torch.float32, pad_samples),
         wav_lens=torch.tensor([w.numel() for w in wavs], dtype=torch.int64),
         tokens=_pad(tokens, torch.int64),
         token_lens=torch.tensor([t.numel() for t in tokens], dtype=torch.int64),
@@ -158,3 +166,32 @@ def collate_audio(items: Sequence[dict[str, Any]]) -> AudioBatch:
         transcripts=[item["transcript"] for item in items],
         durations=torch.tensor([item["duration"] for item in items], dtype=torch.float32),
     )
+
+
+class PadToBuckets:
+    """Collate that pads each batch's audio up to the next bucket edge (a fixed length).
+
+    With ``DurationBatchSampler(pad_to_buckets=True)`` every batch of a bucket has the same
+    number of utterances; padding their audio to the bucket's edge gives the whole epoch a
+    small, fixed set of batch shapes: what ``torch.compile`` and CUDA graphs need to
+    compile and capture each shape once instead of at every step.
+
+    Args:
+        edges_seconds: the buckets' padded lengths in seconds
+            (``DurationBatchSampler.bucket_edges()``).
+        sample_rate: samples per second of the loaded audio.
+    """
+
+    def __init__(self, edges_seconds: Sequence[float], sample_rate: int) -> None:
+        self.edges = sorted({round(edge * sample_rate) for edge in edges_seconds})
+
+    def length_for(self, longest: int) -> int:
+        """The smallest edge that holds ``longest`` samples (``longest`` past the last edge)."""
+        for edge in self.edges:
+            if edge >= longest:
+                return edge
+        return longest
+
+    def __call__(self, items: Sequence[dict[str, Any]]) -> AudioBatch:
+        longest = max(item["wav"].numel() for item in items)
+        return collate_audio(items, pad_samples=self.length_for(longest))

@@ -27,6 +27,12 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
     batch order is shuffled. With ``shuffle=True`` each epoch packs and orders differently,
     deterministically for a given ``(seed, epoch)``.
 
+    With ``pad_to_buckets=True`` every batch of a bucket holds the same number of items,
+    ``max_batch_seconds // longest item of the bucket`` (the last batch of a bucket may hold
+    fewer), so that padding each batch to its bucket's longest item (``PadToBuckets``)
+    leaves at most two batch shapes per bucket: a bounded set for ``torch.compile`` and
+    CUDA graphs. Bucket boundaries depend only on the durations, never on the epoch.
+
     With ``num_replicas > 1`` every rank builds the same batch list and takes every
     ``num_replicas``-th batch starting at ``rank``. For training (``drop_uneven=True``) the
     list is first truncated to a multiple of ``num_replicas`` so all ranks run the same
@@ -46,6 +52,10 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         rank: this process's rank in ``[0, num_replicas)``.
         drop_uneven: with several replicas, drop the last batches that would give the
             ranks unequal batch counts.
+        pad_to_buckets: fixed batch sizes per bucket (see above).
+        pad_quantum: with ``pad_to_buckets``, bucket edges are rounded up to a multiple of
+            this many seconds (e.g. 64 samples), so a length that resampling rounds by a
+            sample still fits its bucket; batch sizes are computed for the rounded edges.
     """
 
     def __init__(
@@ -59,6 +69,8 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
         drop_uneven: bool = True,
+        pad_to_buckets: bool = False,
+        pad_quantum: float = 0.0,
     ) -> None:
         if not max_batch_seconds > 0:
             raise DataError(
@@ -92,6 +104,8 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.drop_uneven = drop_uneven
+        self.pad_to_buckets = pad_to_buckets
+        self.pad_quantum = float(pad_quantum)
         self.epoch = 0
         self._skip = 0
         self._cache: tuple[int, list[list[int]]] | None = None
@@ -112,7 +126,36 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
             )
         self._skip = num_batches
 
+    def _buckets(self) -> list[list[int]]:
+        """Item indices per bucket, sorted by duration: equal counts, shortest first."""
+        order = sorted(range(len(self.durations)), key=lambda i: (self.durations[i], i))
+        num_buckets = min(self.num_buckets, len(order))
+        bounds = [round(b * len(order) / num_buckets) for b in range(num_buckets + 1)]
+        return [order[start:end] for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def _edge(self, bucket: list[int]) -> float:
+        """A bucket's padded length: its longest duration, rounded up to ``pad_quantum``."""
+        longest = max(self.durations[i] for i in bucket)
+        if self.pad_quantum <= 0:
+            return longest
+        return self.pad_quantum * math.ceil(longest / self.pad_quantum - 1e-9)
+
+    def bucket_edges(self) -> list[float]:
+        """Each bucket's padded length in seconds (shortest first): what batches pad to."""
+        return [self._edge(bucket) for bucket in self._buckets() if bucket]
+
+    def _pack_fixed(self, bucket: list[int]) -> list[list[int]]:
+        """Cut a bucket into batches of the count whose padded audio fits the budget."""
+        edge = self._edge(bucket)
+        size = max(1, int(self.max_batch_seconds // edge)) if edge > 0 else len(bucket)
+        batches = [bucket[start : start + size] for start in range(0, len(bucket), size)]
+        if self.drop_last and len(batches) > 1 and len(batches[-1]) < size:
+            batches.pop()
+        return batches
+
     def _pack(self, bucket: list[int]) -> list[list[int]]:
+        if self.pad_to_buckets:
+            return self._pack_fixed(bucket)
         batches: list[list[int]] = []
         batch: list[int] = []
         longest = 0.0
@@ -135,12 +178,8 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         if self._cache is not None and self._cache[0] == self.epoch:
             return self._cache[1]
         rng = random.Random(self.seed + self.epoch)
-        order = sorted(range(len(self.durations)), key=lambda i: (self.durations[i], i))
-        num_buckets = min(self.num_buckets, len(order))
-        bounds = [round(b * len(order) / num_buckets) for b in range(num_buckets + 1)]
         batches: list[list[int]] = []
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            bucket = order[start:end]
+        for bucket in self._buckets():
             if self.shuffle:
                 rng.shuffle(bucket)
             batches.extend(self._pack(bucket))

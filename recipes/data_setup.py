@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from amp_utils.distributed import DistributedInfo, run_on_main
 from data.audio import check_audio_files
 from data.connected_digits import prepare_connected_digits
-from data.dataset import AudioDataset, collate_audio
+from data.dataset import AudioDataset, PadToBuckets, collate_audio
 from data.errors import DataError
 from data.fsdd import prepare_fsdd_digits
 from data.manifest import Utterance, read_manifest
@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
 DATASETS = ("fsdd_digits", "fsdd_connected", "manifest")
+#: Bucket edges are multiples of this many samples (absorbs resampling's rounding).
+PAD_QUANTUM_SAMPLES = 64
 
 
 @dataclass
@@ -124,11 +126,18 @@ def build_data(
             num_replicas=dist_info.world_size,
             rank=dist_info.rank,
             drop_uneven=split == "train",
+            pad_to_buckets=data_cfg.pad_to_buckets,
+            pad_quantum=PAD_QUANTUM_SAMPLES / data_cfg.sample_rate,
+        )
+        collate = (
+            PadToBuckets(sampler.bucket_edges(), data_cfg.sample_rate)
+            if data_cfg.pad_to_buckets
+            else collate_audio
         )
         loaders[split] = DataLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=collate_audio,
+            collate_fn=collate,
             num_workers=workers,
             pin_memory=bool(cfg.device.pin_memory) and device.type == "cuda",
             persistent_workers=workers > 0,
