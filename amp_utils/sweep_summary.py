@@ -161,6 +161,8 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
         row["status"] = "ok"
         for column in ("precision", "device", "model", "data"):
             row[column] = _format_number(results.get(column))
+        if results.get("precision_requested") == "auto":
+            row["precision"] += " (auto)"
         row["processes"] = str(results.get("world_size", 1))  # DDP ranks
         metrics = results.get("test_metrics") or {}
         for name in metric_names:
