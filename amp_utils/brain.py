@@ -58,16 +58,65 @@ from amp_utils.epoch_counter import EpochCounter
 from amp_utils.host_values import HostValues
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import (
+    AUTO,
     check_precision_supported,
     configure_tf32,
     make_grad_scaler,
     resolve_device,
+    resolve_precision,
+    warn_if_emulated,
 )
 from amp_utils.run_options import RunOptions
 
 logger = logging.getLogger(__name__)
 
 INTRA_EPOCH_FLAG = "intra_epoch"
+#: torch.compile modes that replay CUDA graphs (cudagraph trees) on CUDA.
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def unwrap_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DDP and ``torch.compile`` wrappers (for its own methods)."""
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod"):  # torch.compile's OptimizedModule
+            module = module._orig_mod
+        else:
+            return module
+
+
+def compile_regions(module: torch.nn.Module, **options: Any) -> int:
+    """Compile each block of every ``ModuleList`` in ``module`` in place; returns how many.
+
+    Regional compilation (PyTorch's recipe for repeated layers): the blocks share their
+    code, so one compile serves all of them -- seconds instead of minutes for a deep
+    encoder (measured on an H100: 16 Conformer blocks, 15-40 s instead of 250 s for the
+    whole model with dynamic shapes). ``Module.compile`` keeps the state-dict keys, so
+    checkpoints load with and without it. Modules without a ``ModuleList`` are compiled
+    whole, in place.
+    """
+    blocks: list[torch.nn.Module] = []
+    inside: set[int] = set()  # modules within a block already chosen (nested lists)
+    for child in module.modules():
+        if isinstance(child, torch.nn.ModuleList) and id(child) not in inside:
+            blocks.extend(child)
+            inside.update(id(m) for block in child for m in block.modules())
+    for block in blocks or [module]:
+        block.compile(**options)
+    return len(blocks) or 1
+
+
+def compile_stats() -> dict[str, int]:
+    """Process-wide ``torch.compile`` counters: graphs compiled, recompiles, CUDA-graph skips."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "recompiles": int(sum(counters["recompiles"].values())),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]),
+    }
 
 
 class Stage(Enum):
@@ -189,10 +238,9 @@ class Brain:
             device = torch.device("cuda", torch.cuda.current_device())  # set for this rank
         self.device = device
         self.device_type = self.device.type
-        self.amp = AMPConfig.from_name(self.run_opts.precision)
-        self.eval_amp = AMPConfig.from_name(self.run_opts.eval_precision)
-        check_precision_supported(self.amp, self.device)
-        check_precision_supported(self.eval_amp, self.device)
+        self.amp = self._resolve_amp(self.run_opts.precision, "precision")
+        self.eval_amp = self._resolve_amp(self.run_opts.eval_precision, "eval_precision")
+        warn_if_emulated(self.amp, self.device)
         configure_tf32(self.device, self.run_opts.allow_tf32)
 
         self.modules = torch.nn.ModuleDict(self._sync_batchnorm(dict(modules or {})))
@@ -222,6 +270,7 @@ class Brain:
         self._stop_signal: int | None = None
         self._last_ckpt_time = time.time()
         self._compiled = False
+        self._cudagraphs = False  # compiled modules replay CUDA graphs: mark each step
         self._ddp_modules: list[DistributedDataParallel] = []
 
         if self.checkpointer is not None:
@@ -231,6 +280,15 @@ class Brain:
                     self.checkpointer.add_recoverable(f"module.{name}", module)
             self.checkpointer.add_recoverable("brain", self)
             self.checkpointer.add_recoverable("scaler", _ScalerState(self.scaler))
+
+    def _resolve_amp(self, name: str, option: str) -> AMPConfig:
+        """AMPConfig of a precision name (``auto``: the device's native one, logged)."""
+        resolved, reason = resolve_precision(name, self.device)
+        if name == AUTO:
+            logger.info("%s=auto -> %s (%s)", option, resolved, reason)
+        amp = AMPConfig.from_name(resolved)
+        check_precision_supported(amp, self.device)
+        return amp
 
     # ------------------------------------------------------------ to override
     def compute_forward(self, batch: Any, stage: Stage) -> Any:
@@ -347,6 +405,13 @@ class Brain:
             yield
 
     def _compile(self) -> None:
+        """``torch.compile`` the selected modules (dynamic shapes: one compile per module).
+
+        With a CUDA-graph mode (``reduce-overhead``) on CUDA, each distinct batch shape is
+        captured once and replayed afterwards, which removes the launch overhead of small
+        kernels; batches padded to bucket edges keep the set of shapes small. A graph that
+        cannot be captured runs without CUDA graphs, and PyTorch logs why.
+        """
         if not self.run_opts.compile or self._compiled:
             return
         keys = self.run_opts.compile_module_keys or list(self.modules.keys())
@@ -355,11 +420,25 @@ class Brain:
             raise ValueError(
                 f"compile_module_keys {unknown} are not modules; valid: {list(self.modules)}."
             )
+        options = {"mode": self.run_opts.compile_mode, "dynamic": True}
         for key in keys:
-            self.modules[key] = torch.compile(
-                self.modules[key], mode=self.run_opts.compile_mode, dynamic=True
-            )
+            if self.run_opts.compile_regions:
+                compile_regions(unwrap_module(self.modules[key]), **options)
+            else:
+                self.modules[key] = torch.compile(self.modules[key], **options)
         self._compiled = True
+        self._cudagraphs = (
+            self.device.type == "cuda" and self.run_opts.compile_mode in CUDAGRAPH_MODES
+        )
+
+    def mark_step(self) -> None:
+        """Tell cudagraph trees that a new step starts (the last step's outputs may be reused).
+
+        ``fit_batch`` and ``evaluate_batch`` call it; a loop of its own that runs the
+        compiled modules (e.g. a benchmark) calls it before each step.
+        """
+        if self._cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients of every optimizer."""
@@ -402,6 +481,7 @@ class Brain:
         """
         should_step = self.step % self.run_opts.grad_accumulation_factor == 0
         self.on_fit_batch_start(batch, should_step)
+        self.mark_step()
         with self.no_sync(not should_step):
             with TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype):
                 outputs = self.compute_forward(batch, Stage.TRAIN)
@@ -472,7 +552,7 @@ class Brain:
         Returns the step's gradient norm and whether it was skipped, both as device
         tensors (read later by the bookkeeping, so that nothing waits here).
         """
-        self._flush_pending()  # the previous step's values are ready by now
+        self.flush_pending()  # the previous step's values are ready by now
         window_finite, self._window_finite = self._window_finite, None
         if not self.optimizers_dict:
             return None
@@ -504,8 +584,12 @@ class Brain:
         self.zero_grad(set_to_none=True)
         return _StepInfo(grad_norm.detach(), skip)
 
-    def _flush_pending(self) -> None:
-        """Account for the batches whose values are pending (syncs with the device)."""
+    def flush_pending(self) -> None:
+        """Account for the batches whose values are pending (syncs with the device).
+
+        The fit loop calls it at the end of each epoch and before a checkpoint; call it
+        after driving ``fit_batch`` yourself to get its counters and running loss up to date.
+        """
         pending, self._pending = self._pending, []
         for item in pending:
             self._account(item)
@@ -531,6 +615,7 @@ class Brain:
     @torch.no_grad()
     def evaluate_batch(self, batch: Any, stage: Stage) -> torch.Tensor:
         """Evaluate one batch under ``eval_precision``; returns the detached loss."""
+        self.mark_step()
         with TorchAutocast(device_type=self.device_type, dtype=self.eval_amp.dtype):
             outputs = self.compute_forward(batch, stage)
             loss = self.compute_objectives(outputs, batch, stage)
@@ -637,7 +722,7 @@ class Brain:
                     bar.set_postfix(train_loss=f"{self.avg_train_loss:.4f}", refresh=False)
                 if self.step % self.run_opts.grad_accumulation_factor == 0:
                     self._maybe_save_intra_epoch()
-        self._flush_pending()
+        self.flush_pending()
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
         self.train_stats["time_s"] += time.perf_counter() - self._epoch_start
@@ -762,7 +847,7 @@ class Brain:
         """Save a mid-epoch checkpoint, keeping only the newest mid-epoch one."""
         if self.checkpointer is None:
             return
-        self._flush_pending()
+        self.flush_pending()
         self.checkpointer.save_and_keep_only(
             meta={INTRA_EPOCH_FLAG: True},
             end_of_epoch=False,

@@ -20,8 +20,8 @@ class RunOptions:
     """Options that control the loop, with the defaults a run gets when a key is absent."""
 
     device: str = "cpu"  # "auto", "cpu", "cuda" or "cuda:N"
-    precision: str = "fp32"  # training autocast precision: fp32, fp16 or bf16
-    eval_precision: str = "fp32"  # validation/test autocast precision
+    precision: str = "fp32"  # training autocast precision: fp32, fp16, bf16 or auto
+    eval_precision: str = "fp32"  # validation/test autocast precision (auto: as precision)
     max_grad_norm: float = 5.0  # clip the global gradient norm (all param groups); <= 0: off
     grad_accumulation_factor: int = 1  # batches per optimizer step
     skip_nonfinite_grads: bool = False  # skip (do not apply) steps whose gradients are not finite
@@ -35,6 +35,7 @@ class RunOptions:
     compile: bool = False  # wrap modules with torch.compile
     compile_module_keys: list[str] | None = None  # modules to compile (None: all)
     compile_mode: str = "default"  # torch.compile mode
+    compile_regions: bool = False  # compile each ModuleList block (one compile for all) in place
     log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
     allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
     seed: int = 1234  # seed of the data loader's own generator

@@ -20,7 +20,13 @@ from amp_utils.precision import resolve_device
 from recipes.benchmarking import run_benchmark, summarize
 from recipes.config import register_resolvers, validate_config
 from recipes.data_setup import build_data
-from recipes.experiment import build_brain, device_name, run_options, seed_everything
+from recipes.experiment import (
+    build_brain,
+    build_modules,
+    device_name,
+    run_options,
+    seed_everything,
+)
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger(__name__)
@@ -37,15 +43,26 @@ def benchmark(cfg: DictConfig) -> list[dict]:
         seed_everything(cfg.seed)
         return build_brain(run_cfg, data, None, None), data.train
 
+    def fresh_modules(run_cfg: DictConfig) -> torch.nn.ModuleDict:
+        return torch.nn.ModuleDict(build_modules(run_cfg, data.speakers))
+
     out = Path(cfg.output_dir)
-    rows = run_benchmark(cfg, build, profile_dir=out)
-    table = summarize(rows)
+    rows = run_benchmark(cfg, build, profile_dir=out, build_modules=fresh_modules)
+    timed = [r for r in rows if "skipped" not in r]
+    table = summarize(timed)
+    t = cfg.trainer
     header = (
         f"device: {device_name(device)}; torch {torch.__version__}; model {cfg.model.name}; "
         f"batch {cfg.benchmark.batch_size} x {cfg.benchmark.utterance_seconds}s synthetic; "
-        f"compile={cfg.trainer.compile}\n\n"
+        f"real batches {cfg.data.name} ({cfg.data.max_batch_seconds * cfg.device.batch_scale:g} "
+        f"s padded audio); pad_to_buckets={cfg.data.pad_to_buckets}; compile={t.compile}"
+        + (f" ({t.compile_mode}, regions={t.compile_regions})" if t.compile else "")
+        + "\n\n"
     )
-    atomic_write_text(out / "benchmark.md", header + table + "\n")
+    notes = sorted({f"{r['mode']}: {n}" for r in timed for n in r.get("notes", [])})
+    skipped = [f"{r['mode']} {r['precision']}: {r['skipped']}" for r in rows if "skipped" in r]
+    footer = "".join(f"\n- {line}" for line in notes + skipped)
+    atomic_write_text(out / "benchmark.md", header + table + "\n" + footer + "\n")
     atomic_write_json(
         out / "benchmark.json",
         {

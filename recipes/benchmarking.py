@@ -1,21 +1,26 @@
-"""Training-step benchmark: the recipe's Brain loop against a bare PyTorch loop.
+"""Training-step benchmark: the recipe's Brain loop against a bare PyTorch loop and peers.
 
-For each precision it times (a) ``bare``: a minimal loop (autocast + GradScaler + fused
-AdamW + clipping, nothing else) over fixed-shape synthetic batches pre-staged on the
-device, (b) ``brain``: ``Brain.fit_batch`` over the same batches, (c) ``staged``: the Brain
-over the real data's first batches, pre-staged on the device, and (d) ``loader``: the
-Brain over the same real batches streamed by the DataLoader, so loader/staged is the
-cost of loading alone (same shapes, same order). Warm-up steps are excluded; on CUDA,
-per-step times come from CUDA events (the device timeline, no sync between steps) and the
-device is synchronised only around a measurement. With ``benchmark.profile_steps`` the
-``torch.profiler`` summary of a few more steps (top ops by device or CPU time, kernel
-launches and aten ops per step) is written per precision and mode, to show why a target
-is missed.
+For each precision it times (a) ``bare``: a minimal loop (autocast + the recipe's forward
+and loss + GradScaler + fused AdamW + clipping, nothing else) over fixed-shape synthetic
+batches pre-staged on the device, (b) ``brain``: ``Brain.fit_batch`` over the same
+batches, (c) ``staged``: the Brain over the real data's first batches, pre-staged on the
+device, and (d) ``loader``: the Brain over the same real batches streamed by the
+DataLoader, so loader/staged is the cost of loading alone (same shapes, same order);
+optionally (e) ``speechbrain`` and ``lightning``: the peer toolkits' own loops over the
+synthetic batches (``recipes.peers``; skipped when the toolkits are not installed).
+
+Warm-up steps are excluded; with fixed batch shapes (``data.pad_to_buckets``) every shape
+of an epoch is run twice before timing, so that compilation and CUDA-graph capture stay
+out of the numbers. On CUDA, per-step times come from CUDA events (the device timeline, no
+sync between steps) and the device is synchronised only around a measurement. Each row
+also has the model FLOPs per second (counted once per batch shape with
+``torch.utils.flop_counter``) and, on GPUs with known peak rates, the model FLOPs
+utilisation (MFU). With ``benchmark.profile_steps`` the ``torch.profiler`` summary of a few
+more steps is written per precision and mode, to show why a target is missed.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -27,15 +32,27 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
+from torch.utils.flop_counter import FlopCounterMode
 
+from amp_utils import Stage
 from amp_utils.atomic import atomic_write_text
 from amp_utils.autocast import PRECISIONS
-from amp_utils.memory import peak_memory_mb, reset_peak_memory
+from amp_utils.memory import reset_peak_memory
 from amp_utils.precision import configure_tf32
 from data.dataset import AudioBatch
-from recipes.asr.model import ctc_log_probs, ctc_loss
 from recipes.audio_brain import AudioBrain
-from recipes.speaker.brain import classification_loss
+from recipes.peers import OptimizerSettings, run_peer, step_stats
+
+#: Dense peak rates (TFLOP/s) from the vendors' datasheets, by GPU name and precision
+#: ("tf32": fp32 with TF32 matmuls). The first matching name wins (PCIe before SXM).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+}
+PEER_MODES = ("speechbrain", "lightning")
+MODES = ("bare", "brain", "staged", "loader", *PEER_MODES)
 
 
 def synthetic_batch(cfg: DictConfig, device: torch.device, num_speakers: int) -> AudioBatch:
@@ -55,25 +72,31 @@ def synthetic_batch(cfg: DictConfig, device: torch.device, num_speakers: int) ->
     ).to(device)
 
 
+def peak_tflops(device: torch.device, variant: str) -> float | None:
+    """Datasheet dense peak of ``device`` for ``variant`` (fp32, tf32, fp16, bf16), if known."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, rates in PEAK_TFLOPS.items():
+        if key in name:
+            return rates.get(variant)
+    return None
+
+
 def bare_step_fn(brain: AudioBrain, precision: str) -> Callable[[AudioBatch], None]:
-    """The reference loop: autocast, GradScaler, fused AdamW, clipping, and nothing else."""
-    modules, device = brain.modules, brain.device
-    params = [p for p in modules.parameters() if p.requires_grad]
+    """The reference loop: autocast, the recipe's forward and loss, GradScaler, fused AdamW,
+    clipping, and nothing else (no bookkeeping, no non-finite checks)."""
+    params = [p for p in brain.modules.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     dtype = PRECISIONS[precision]
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    asr = brain.metric_key == "CER"
+    device_type = brain.device.type
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
     def step(batch: AudioBatch) -> None:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            feats, feat_lens = modules.features(batch.wavs, batch.wav_lens)
-            if "augment" in modules:
-                feats = modules.augment(feats)
-            if asr:
-                logits, out_lens = modules.model(feats, feat_lens)
-                loss = ctc_loss(ctc_log_probs(logits), out_lens, batch.tokens, batch.token_lens)
-            else:
-                loss = classification_loss(modules.model(feats, feat_lens), batch.speakers)
+        brain.mark_step()
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+            outputs = brain.compute_forward(batch, Stage.TRAIN)
+            loss = brain.compute_objectives(outputs, batch, Stage.TRAIN)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(params, 5.0)
@@ -101,7 +124,10 @@ def time_steps(
     steps: int,
     device: torch.device,
 ) -> dict[str, Any]:
-    """Run ``warmup`` + ``steps`` steps; per-step seconds and totals of the timed ones."""
+    """Run ``warmup`` + ``steps`` steps; per-step seconds and totals of the timed ones.
+
+    ``shapes`` lists the timed batches' waveform shapes (for counting FLOPs afterwards).
+    """
     cuda = device.type == "cuda"
     for _ in range(warmup):
         step(next(batches))
@@ -109,11 +135,13 @@ def time_steps(
         torch.cuda.synchronize(device)
     reset_peak_memory(device)
     marks: list[Any] = []
+    shapes: list[tuple[int, ...]] = []
     utterances, audio_s = 0, 0.0
     start = time.perf_counter()
     for _ in range(steps):
         batch = next(batches)
         utterances += len(batch)
+        shapes.append(tuple(batch.wavs.shape))
         audio_s += float(batch.durations.sum()) if batch.durations.device.type == "cpu" else 0.0
         if cuda:
             event = torch.cuda.Event(enable_timing=True)
@@ -132,17 +160,47 @@ def time_steps(
         marks.append(time.perf_counter())
         per_step = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     total = time.perf_counter() - start
-    per_step.sort()
-    return {
-        "steps": steps,
-        "seconds": total,
-        "steps_per_s": steps / total,
-        "utterances": utterances,
-        "audio_seconds": audio_s,
-        "p50_step_ms": 1e3 * statistics.median(per_step),
-        "p90_step_ms": 1e3 * per_step[int(0.9 * (len(per_step) - 1))],
-        "peak_memory_mb": peak_memory_mb(device),
-    }
+    return {**step_stats(per_step, total, utterances, audio_s, device), "shapes": shapes}
+
+
+def forward_loss_fn(brain: AudioBrain) -> Callable[[torch.nn.ModuleDict, AudioBatch], Any]:
+    """``forward_loss(modules, batch)``: the recipe's training forward and loss on ``modules``.
+
+    What the peer loops and the FLOP counter run: the Brain's own ``compute_forward`` and
+    ``compute_objectives`` (public SpeechBrain API), over modules other than its own.
+    """
+
+    def forward_loss(modules: torch.nn.ModuleDict, batch: AudioBatch) -> torch.Tensor:
+        original, brain.modules = brain.modules, modules
+        try:
+            outputs = brain.compute_forward(batch, Stage.TRAIN)
+            return brain.compute_objectives(outputs, batch, Stage.TRAIN)
+        finally:
+            brain.modules = original
+
+    return forward_loss
+
+
+class FlopCounter:
+    """Model FLOPs of one training step (forward + backward) per batch shape, cached.
+
+    Counted on an eager fp32 copy of the recipe's modules (the count does not depend on
+    the precision), with ``torch.utils.flop_counter`` (matmuls, convolutions, attention).
+    """
+
+    def __init__(self, modules: torch.nn.ModuleDict, brain: AudioBrain) -> None:
+        self.modules = modules
+        self.forward_loss = forward_loss_fn(brain)
+        self.cache: dict[tuple[int, ...], float] = {}
+
+    def __call__(self, batch: AudioBatch) -> float:
+        key = tuple(batch.wavs.shape)
+        if key not in self.cache:
+            with FlopCounterMode(display=False) as counter:
+                self.forward_loss(self.modules, batch).backward()
+            self.modules.zero_grad(set_to_none=True)
+            self.cache[key] = float(counter.get_total_flops())
+        return self.cache[key]
 
 
 def profile_steps(
@@ -196,6 +254,32 @@ def staged_batches(loader: Any, count: int, device: torch.device) -> list[AudioB
     ]
 
 
+def shape_representatives(loader: Any, device: torch.device) -> list[AudioBatch]:
+    """One batch per distinct batch shape of the loader's first epoch, on ``device``.
+
+    Only meaningful with fixed shapes (``pad_to_buckets``): running each twice before
+    timing keeps compilation and CUDA-graph capture of every shape out of the numbers.
+    Reads the sampler's index lists and loads one batch per (size, padded length).
+    """
+    sampler = loader.batch_sampler
+    sampler.set_epoch(0)
+    dataset, collate = loader.dataset, loader.collate_fn
+    length_for = getattr(collate, "length_for", None)
+    rate = getattr(dataset, "sample_rate", 1)
+    seen: dict[tuple[int, int], list[int]] = {}
+    for indices in sampler:
+        longest = max(round(dataset.durations[i] * rate) for i in indices)
+        key = (len(indices), length_for(longest) if length_for else longest)
+        seen.setdefault(key, list(indices))
+    batches = {}
+    for indices in seen.values():
+        batch = collate([dataset[i] for i in indices])
+        batches.setdefault(
+            tuple(batch.wavs.shape), replace(batch.to(device), durations=batch.durations)
+        )
+    return list(batches.values())
+
+
 def _variant(row: dict[str, Any]) -> str:
     """Precision name of a row, ``+tf32`` marking the TF32 fp32 baseline."""
     return row["precision"] + ("+tf32" if row.get("tf32") else "")
@@ -208,24 +292,38 @@ def _ratio(numerator: dict[str, Any] | None, denominator: dict[str, Any] | None)
     return f"{numerator['utt_per_s'] / denominator['utt_per_s']:.2f}"
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
 def summarize(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of the measurements, with the ratios the targets are stated in."""
-    fp32 = {r["mode"]: r for r in rows if _variant(r) == "fp32"}
+    """Markdown table of the measurements, with the ratios the targets are stated in.
+
+    ``vs fp32`` and ``vs tf32`` compare with the same mode in fp32 (TF32 off / on);
+    ``Brain/bare`` the Brain with the bare loop, ``loader/staged`` streamed with pre-staged
+    real batches, ``ours/peer`` our Brain with a peer toolkit's loop (same precision).
+    """
     by_mode = {(r["mode"], _variant(r)): r for r in rows}
     lines = [
         "| mode | precision | steps/s | utt/s | audio-s/s | p50 ms | p90 ms | peak MB | "
-        "vs fp32 | Brain/bare | loader/staged |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "TFLOP/s | MFU | vs fp32 | vs tf32 | Brain/bare | loader/staged | ours/peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        name = _variant(r)
-        brain_bare = _ratio(r, by_mode.get(("bare", name))) if r["mode"] == "brain" else "—"
-        loader_syn = _ratio(r, by_mode.get(("staged", name))) if r["mode"] == "loader" else "—"
+        name, mode = _variant(r), r["mode"]
+        fp32 = by_mode.get((mode, "fp32"))
+        tf32 = by_mode.get((mode, "fp32+tf32"))
+        brain_bare = _ratio(r, by_mode.get(("bare", name))) if mode == "brain" else "—"
+        loader_staged = _ratio(r, by_mode.get(("staged", name))) if mode == "loader" else "—"
+        ours_peer = _ratio(by_mode.get(("brain", name)), r) if mode in PEER_MODES else "—"
+        mfu = r.get("mfu")
         lines.append(
-            f"| {r['mode']} | {name} | {r['steps_per_s']:.2f} | {r['utt_per_s']:.0f} | "
+            f"| {mode} | {name} | {r['steps_per_s']:.2f} | {r['utt_per_s']:.0f} | "
             f"{r['audio_s_per_s']:.0f} | {r['p50_step_ms']:.1f} | {r['p90_step_ms']:.1f} | "
-            f"{r['peak_memory_mb']:.0f} | {_ratio(r, fp32.get(r['mode']))} | {brain_bare} | "
-            f"{loader_syn} |"
+            f"{r['peak_memory_mb']:.0f} | {_fmt(r.get('tflops'), '.1f')} | "
+            f"{_fmt(None if mfu is None else 100 * mfu, '.1f')}{'' if mfu is None else ' %'} | "
+            f"{_ratio(r, fp32)} | {_ratio(r, tf32)} | {brain_bare} | {loader_staged} | "
+            f"{ours_peer} |"
         )
     return "\n".join(lines)
 
@@ -234,16 +332,22 @@ def run_benchmark(
     cfg: DictConfig,
     build: Callable[[DictConfig], tuple[AudioBrain, Any]],
     profile_dir: Path | None = None,
+    build_modules: Callable[[DictConfig], torch.nn.ModuleDict] | None = None,
 ) -> list:
     """Time every (precision, mode) of ``cfg.benchmark``; ``build`` makes brain + loader.
 
-    With ``cfg.benchmark.profile_steps > 0`` and ``profile_dir``, also writes
-    ``profile_<mode>_<precision>.txt`` there for every timed mode.
+    ``build_modules`` (a fresh, eager copy of the recipe's modules) enables FLOP counts
+    and the peer loops. With ``cfg.benchmark.profile_steps > 0`` and ``profile_dir``,
+    also writes ``profile_<mode>_<precision>.txt`` there for every timed mode.
     """
     rows = []
     variants = [(p, False) for p in cfg.benchmark.precisions]
     if cfg.benchmark.tf32_baseline and "fp32" in cfg.benchmark.precisions:
         variants.insert(1, ("fp32", True))
+    unknown = sorted(set(cfg.benchmark.modes) - set(MODES))
+    if unknown:
+        raise ValueError(f"benchmark.modes has {unknown}; valid: {', '.join(MODES)}.")
+    warmup, steps = cfg.benchmark.warmup_steps, cfg.benchmark.steps
     for precision, tf32 in variants:
         run_cfg = OmegaConf.merge(
             cfg, {"precision": {"name": precision, "eval_precision": precision, "allow_tf32": tf32}}
@@ -254,43 +358,129 @@ def run_benchmark(
         configure_tf32(brain.device, tf32)
         brain.on_fit_start()
         brain.modules.train()
+        flops = (
+            FlopCounter(build_modules(run_cfg).to(brain.device), brain) if build_modules else None
+        )
         batch = synthetic_batch(cfg, brain.device, len(brain.hparams.speakers))
+        staged: list[AudioBatch] | None = None
+        shapes: list[AudioBatch] = []
+        if cfg.data.pad_to_buckets and {"staged", "loader"} & set(cfg.benchmark.modes):
+            shapes = shape_representatives(loader, brain.device)
+        variant = precision + ("+tf32" if tf32 else "")
         for mode in cfg.benchmark.modes:
+            extra_warmup: list[AudioBatch] = []
             if mode == "bare":
                 step, batches = bare_step_fn(brain, precision), cycle([batch])
             elif mode == "brain":
                 step, batches = brain_step_fn(brain), cycle([batch])
-            elif mode == "staged":
-                count = cfg.benchmark.warmup_steps + cfg.benchmark.steps
+            elif mode in ("staged", "loader"):
                 step = brain_step_fn(brain)
-                batches = cycle(staged_batches(loader, count, brain.device))
-            elif mode == "loader":
-                step, batches = brain_step_fn(brain), loader_batches(loader)
+                if staged is None:
+                    staged = staged_batches(loader, warmup + steps, brain.device)
+                    extra_warmup = shapes + shapes  # first sight compiles, second captures
+                batches = cycle(staged) if mode == "staged" else loader_batches(loader)
             else:
-                raise ValueError(
-                    f"benchmark.modes has {mode!r}; valid: bare, brain, staged, loader."
-                )
-            stats = time_steps(
-                step, batches, cfg.benchmark.warmup_steps, cfg.benchmark.steps, brain.device
-            )
+                row = _peer_row(mode, precision, tf32, cfg, brain, build_modules, batch, flops)
+                rows.append(row)
+                continue
+            for extra in extra_warmup:
+                step(extra)
+            stats = time_steps(step, batches, warmup, steps, brain.device)
             if cfg.benchmark.profile_steps > 0 and profile_dir is not None:
                 summary = profile_steps(step, batches, cfg.benchmark.profile_steps, brain.device)
-                variant = precision + ("+tf32" if tf32 else "")
                 atomic_write_text(profile_dir / f"profile_{mode}_{variant}.txt", summary)
-            brain._flush_pending()
+            brain.flush_pending()
             if mode in ("bare", "brain"):  # synthetic batches
                 stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
-            rows.append(
-                {
-                    "mode": mode,
-                    "precision": precision,
-                    "tf32": tf32,
-                    "utt_per_s": stats["utterances"] / stats["seconds"],
-                    "audio_s_per_s": stats["audio_seconds"] / stats["seconds"],
-                    **stats,
-                }
-            )
+            rows.append(_row(mode, precision, tf32, stats, flops, batch, brain.device))
         del brain, loader
+        torch._dynamo.reset()  # frees compiled graphs and their CUDA-graph memory pools
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return rows
+    return [r for r in rows if "skipped" not in r] + [r for r in rows if "skipped" in r]
+
+
+def _peer_row(
+    mode: str,
+    precision: str,
+    tf32: bool,
+    cfg: DictConfig,
+    brain: AudioBrain,
+    build_modules: Callable[[DictConfig], torch.nn.ModuleDict] | None,
+    batch: AudioBatch,
+    flops: FlopCounter | None,
+) -> dict[str, Any]:
+    """A peer toolkit's loop over the synthetic batches, on a fresh eager copy of the modules."""
+    variant = precision + ("+tf32" if tf32 else "")
+    if build_modules is None:
+        return {"mode": mode, "precision": variant, "skipped": "no module builder given"}
+    result = run_peer(
+        mode,
+        build_modules(cfg).to(brain.device),
+        forward_loss_fn(brain),
+        cycle([batch]),
+        precision=precision,
+        device=brain.device,
+        settings=OptimizerSettings(
+            lr=cfg.model.lr,
+            weight_decay=cfg.model.weight_decay,
+            max_grad_norm=cfg.trainer.max_grad_norm,
+            fused=cfg.trainer.fused_optimizer,
+        ),
+        warmup=cfg.benchmark.warmup_steps,
+        steps=cfg.benchmark.steps,
+    )
+    if result.status != "ran":
+        return {"mode": mode, "precision": variant, "skipped": f"{result.status}: {result.reason}"}
+    stats = dict(result.stats)
+    stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
+    row = _row(mode, precision, tf32, stats, flops, batch, brain.device)
+    row["notes"] = list(result.notes)
+    row["version"] = result.version
+    return row
+
+
+def _row(
+    mode: str,
+    precision: str,
+    tf32: bool,
+    stats: dict[str, Any],
+    flops: FlopCounter | None,
+    example: AudioBatch,
+    device: torch.device,
+) -> dict[str, Any]:
+    """One table row: the timing stats plus throughput, model TFLOP/s and MFU."""
+    shapes = stats.pop("shapes", None) or [tuple(example.wavs.shape)] * stats["steps"]
+    row = {
+        "mode": mode,
+        "precision": precision,
+        "tf32": tf32,
+        "utt_per_s": stats["utterances"] / stats["seconds"],
+        "audio_s_per_s": stats["audio_seconds"] / stats["seconds"],
+        **stats,
+    }
+    if flops is not None:
+        total = sum(flops(_example_of_shape(example, shape)) for shape in shapes)
+        row["tflops"] = total / stats["seconds"] / 1e12
+        peak = peak_tflops(device, "tf32" if tf32 else precision)
+        row["mfu"] = row["tflops"] / peak if peak else None
+    return row
+
+
+def _example_of_shape(example: AudioBatch, shape: tuple[int, ...]) -> AudioBatch:
+    """A batch like ``example`` with waveforms of ``shape`` (for counting FLOPs only)."""
+    if tuple(example.wavs.shape) == shape:
+        return example
+    size, samples = shape
+    device = example.wavs.device
+    tokens = example.tokens[:1].expand(size, -1).contiguous()
+    return AudioBatch(
+        ids=[str(i) for i in range(size)],
+        wavs=torch.zeros(size, samples, device=device),
+        wav_lens=torch.full((size,), samples, dtype=torch.int64),
+        tokens=tokens.cpu(),
+        token_lens=example.token_lens[:1].expand(size).cpu(),
+        speakers=torch.zeros(size, dtype=torch.int64),
+        transcripts=["x"] * size,
+        durations=torch.zeros(size),
+    ).to(device)

@@ -14,10 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.autocast import PRECISIONS
 from amp_utils.distributed import BACKENDS
-from amp_utils.precision import DEVICE_CHOICES
+from amp_utils.precision import AUTO, DEVICE_CHOICES
 
 TASKS = ("asr", "speaker")
-MODELS = {"conformer_ctc": "asr", "xvector": "speaker"}
+MODELS = {"conformer_ctc": "asr", "conformer_ctc_m": "asr", "xvector": "speaker"}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -53,8 +53,8 @@ def _positive(cfg: DictConfig, key: str, integer: bool = False) -> None:
 
 def validate_config(cfg: DictConfig) -> None:
     """Check every value a run depends on; raises ConfigError on the first bad one."""
-    _choice(cfg, "precision.name", PRECISIONS)
-    _choice(cfg, "precision.eval_precision", PRECISIONS)
+    _choice(cfg, "precision.name", (*PRECISIONS, AUTO))
+    _choice(cfg, "precision.eval_precision", (*PRECISIONS, AUTO))
     device = str(cfg.device.name)
     if not (
         device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())

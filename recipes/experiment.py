@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import Checkpointer, EpochCounter, RunOptions, resolve_device
 from amp_utils.atomic import atomic_write_json
+from amp_utils.brain import compile_stats
 from amp_utils.distributed import (
     DistributedInfo,
     any_rank,
@@ -101,6 +102,20 @@ def build_features(cfg: DictConfig) -> LogMelFeatures:
     )
 
 
+def build_modules(cfg: DictConfig, speakers: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """The recipe's modules: log-mel ``features``, the ``model`` and (if on) ``augment``."""
+    modules: dict[str, torch.nn.Module] = {
+        "features": build_features(cfg),
+        "model": build_model(cfg, speakers),
+    }
+    aug = cfg.data.spec_augment
+    if aug.enabled:
+        modules["augment"] = SpecAugment(
+            aug.freq_mask, aug.time_mask, aug.n_freq_masks, aug.n_time_masks
+        )
+    return modules
+
+
 def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
     """LR multiplier: linear warm-up, then cosine decay to 5 % of the peak."""
 
@@ -118,15 +133,7 @@ def build_brain(
 ) -> AudioBrain:
     """Model, features, optimizer, schedule and checkpointer wired into the task's Brain."""
     opts = run_options(cfg)
-    modules: dict[str, torch.nn.Module] = {
-        "features": build_features(cfg),
-        "model": build_model(cfg, data.speakers),
-    }
-    aug = cfg.data.spec_augment
-    if aug.enabled:
-        modules["augment"] = SpecAugment(
-            aug.freq_mask, aug.time_mask, aug.n_freq_masks, aug.n_time_masks
-        )
+    modules = build_modules(cfg, data.speakers)
     fused = bool(cfg.trainer.fused_optimizer)  # fused kernels skip bad steps without a sync
     steps_per_epoch = math.ceil(len(data.train) / cfg.trainer.grad_accumulation_factor)
 
@@ -240,8 +247,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         test_metrics = brain.evaluate_best(data.test)
         stats = brain.global_train_stats()
         results = {
-            "precision": cfg.precision.name,
-            "eval_precision": cfg.precision.eval_precision,
+            "precision": brain.amp.name,  # as used (precision=auto resolved)
+            "eval_precision": brain.eval_amp.name,
+            "precision_requested": cfg.precision.name,
             "device": brain.device.type,
             "device_name": device_name(brain.device),
             "world_size": dist_info.world_size,
@@ -267,6 +275,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "skipped_steps": brain.skipped_steps,
             "num_parameters": sum(p.numel() for p in brain.modules.model.parameters()),
             "skipped_files": len(data.skipped_files),
+            "compile": compile_stats() if cfg.trainer.compile else None,
             "torch_version": torch.__version__,
         }
         ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store
@@ -275,13 +284,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         atomic_write_json(out_dir / "results.json", results)
         tensorboard.log_hparams(
             {
-                "precision": cfg.precision.name,
+                "precision": brain.amp.name,
                 "device": brain.device.type,
                 "model": cfg.model.name,
                 "data": cfg.data.name,
                 "epochs": cfg.trainer.epochs,
                 "lr": cfg.model.lr,
-                "max_batch_seconds": cfg.data.max_batch_seconds,
+                "max_batch_seconds": cfg.data.max_batch_seconds * cfg.device.batch_scale,
                 "compile": cfg.trainer.compile,
             },
             {f"test_{k}": v for k, v in test_metrics.items()}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from recipes.benchmarking import summarize
+from recipes.benchmarking import PEER_MODES, summarize
 from tests.recipe_helpers import run_cli
 
 
@@ -31,15 +31,22 @@ def test_summary_ratios():
         row("bare", "fp32", 120, tf32=True),
         row("bare", "bf16", 200),
         row("brain", "bf16", 196),
+        row("speechbrain", "bf16", 98),
+        {**row("bare", "fp16", 150), "tflops": 12.345, "mfu": 0.0125},
     ]
-    lines = summarize(rows).splitlines()[2:]
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
-    assert cells[0][1] == "fp32" and cells[0][8:] == ["1.00", "—", "—"]
-    assert cells[1][8:] == ["1.00", "0.95", "—"]  # Brain/bare
-    assert cells[2][8:] == ["1.00", "—", "—"]
-    assert cells[3][8:] == ["1.00", "—", "0.95"]  # loader/staged: the same real batches
-    assert cells[4][1] == "fp32+tf32" and cells[4][8] == "1.20"
-    assert cells[5][8] == "2.00" and cells[6][8:] == ["2.06", "0.98", "—"]
+    lines = summarize(rows).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[10:] == ["vs fp32", "vs tf32", "Brain/bare", "loader/staged", "ours/peer"]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert cells[0][1] == "fp32" and cells[0][10:] == ["1.00", "0.83", "—", "—", "—"]
+    assert cells[1][10:] == ["1.00", "—", "0.95", "—", "—"]  # Brain/bare
+    assert cells[2][10:] == ["1.00", "—", "—", "—", "—"]
+    assert cells[3][10:] == ["1.00", "—", "—", "0.95", "—"]  # loader/staged: same batches
+    assert cells[4][1] == "fp32+tf32" and cells[4][10:12] == ["1.20", "1.00"]
+    assert cells[5][10:12] == ["2.00", "1.67"]  # bf16 against fp32 and against TF32
+    assert cells[6][10:13] == ["2.06", "—", "0.98"]
+    assert cells[7][10:] == ["—", "—", "—", "—", "2.00"]  # ours (brain bf16) / SpeechBrain
+    assert cells[8][8:10] == ["12.3", "1.2 %"] and cells[0][8:10] == ["—", "—"]
 
 
 def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
@@ -63,12 +70,21 @@ def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "benchmark.json").read_text())["rows"]
-    assert [(r["mode"], r["precision"]) for r in rows] == [
+    ours = [r for r in rows if r["mode"] not in PEER_MODES]
+    assert [(r["mode"], r["precision"]) for r in ours] == [
         (mode, precision)
         for precision in ("fp32", "bf16")
         for mode in ("bare", "brain", "staged", "loader")
     ]
-    staged, loader = rows[2], rows[3]
+    peers = [r for r in rows if r["mode"] in PEER_MODES]  # timed, or skipped with the reason
+    assert sorted((r["mode"], r["precision"]) for r in peers) == sorted(
+        (mode, precision) for precision in ("fp32", "bf16") for mode in PEER_MODES
+    )
+    for peer in peers:
+        assert "skipped" in peer or peer["steps_per_s"] > 0, peer
+    assert all(r["tflops"] > 0 for r in ours)  # model FLOPs counted per batch shape
+    rows = ours
+    staged, loader = ours[2], ours[3]
     assert staged["utterances"] == loader["utterances"]  # the same real batches
     assert staged["audio_seconds"] == pytest.approx(loader["audio_seconds"])
     assert all(r["steps_per_s"] > 0 and r["peak_memory_mb"] > 0 for r in rows)

@@ -98,7 +98,7 @@ def _checks(rank: int, tmp: Path) -> dict:
     for step in range(1, 5):
         brain.step = step
         brain.fit_batch(batches[step - 1])
-    brain._flush_pending()
+    brain.flush_pending()
     report["allreduce_calls"] = len(calls)
     report["optimizer_steps"] = brain.optimizer_step
     report["weights"] = [p.detach().flatten().tolist() for p in ddp.module.parameters()]

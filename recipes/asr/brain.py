@@ -6,6 +6,7 @@ import torch
 import torchaudio
 
 from amp_utils import Stage
+from amp_utils.brain import unwrap_module
 from data.dataset import AudioBatch
 from data.text import ctc_greedy_decode
 from recipes.asr.model import ctc_log_probs, ctc_loss
@@ -26,10 +27,27 @@ class ASRBrain(AudioBrain):
     def compute_objectives(self, predictions, batch: AudioBatch, stage: Stage) -> torch.Tensor:
         logits, out_lens = predictions
         log_probs = ctc_log_probs(logits)  # fp32 under autocast
-        loss = ctc_loss(log_probs, out_lens, batch.tokens, batch.token_lens)
+        loss_lens, token_lens = self.ctc_lengths(batch, out_lens)
+        loss = ctc_loss(log_probs, loss_lens, batch.tokens, token_lens)
         if stage != Stage.TRAIN:
             self._score(log_probs, out_lens, batch)
         return loss
+
+    def ctc_lengths(
+        self, batch: AudioBatch, out_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output lengths, target lengths) for the CTC loss, on the host when possible.
+
+        ``F.ctc_loss`` copies both length tensors to the CPU: from the GPU that copy waits
+        for everything queued so far. The batch's host copy gives the same lengths without
+        waiting (the model's length arithmetic applied to the host's sample counts).
+        PyTorch's CUDA CTC kernel still copies its own offsets to the GPU synchronously.
+        """
+        host = batch.host
+        if host is None:
+            return out_lens, batch.token_lens
+        frames = unwrap_module(self.modules.features).frame_lengths(host.wav_lens)
+        return unwrap_module(self.modules.model).output_lengths(frames), host.token_lens
 
     def reset_metrics(self, stage: Stage) -> None:
         self.char_edits = self.char_total = self.word_edits = self.word_total = 0

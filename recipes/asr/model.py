@@ -234,6 +234,13 @@ class ConformerCTC(nn.Module):
         )
         self.output = nn.Linear(d_model, vocab_size)
 
+    def output_lengths(self, feat_lens: Tensor) -> Tensor:
+        """Valid output frames for ``feat_lens`` valid input frames (what ``forward`` returns).
+
+        Lets the caller compute the lengths on the host, where the CTC loss reads them.
+        """
+        return self.frontend.output_lengths(feat_lens)
+
     def forward(self, feats: Tensor, feat_lens: Tensor) -> tuple[Tensor, Tensor]:
         """Compute CTC logits.
 

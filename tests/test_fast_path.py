@@ -1,0 +1,262 @@
+"""The CUDA fast path, checked on the CPU: fixed batch shapes, host-side CTC lengths,
+regional compilation with a bounded number of compiles, and ``precision=auto``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from amp_utils import Brain, Stage
+from amp_utils.autocast import AMPConfig
+from amp_utils.brain import compile_regions
+from amp_utils.precision import resolve_precision, warn_if_emulated
+from data.dataset import PadToBuckets, collate_audio
+from data.fsdd import prepare_fsdd_digits
+from data.sampler import DurationBatchSampler
+from recipes.asr.model import ConformerCTC
+from recipes.benchmarking import shape_representatives
+from recipes.data_setup import build_data
+from recipes.experiment import build_brain
+from tests.recipe_helpers import FAST, compose_config, run_cli
+
+
+@pytest.fixture(scope="module")
+def prepared(fsdd_root: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared_fast_path")
+    prepare_fsdd_digits(fsdd_root, out, download=False)
+    return out
+
+
+def digits_cfg(fsdd_root: Path, prepared: Path, *extra: str):
+    return compose_config(
+        [*FAST, f"data.root={fsdd_root}", f"data.prepared_dir={prepared}", *extra]
+    )
+
+
+def epoch_shapes(loader) -> list[tuple[int, int]]:
+    loader.batch_sampler.set_epoch(0)
+    return [tuple(batch.wavs.shape) for batch in loader]
+
+
+# ------------------------------------------------------------ fixed batch shapes
+
+
+def test_sampler_fills_each_bucket_with_one_batch_size():
+    rng = random.Random(0)
+    durations = [rng.uniform(0.3, 3.0) for _ in range(500)]
+    sampler = DurationBatchSampler(durations, 20.0, num_buckets=5, pad_to_buckets=True, seed=3)
+    edges = sampler.bucket_edges()
+    assert edges == sorted(edges) and len(edges) == 5
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(500))  # each item once
+    sizes_by_edge: dict[float, set[int]] = {}
+    for batch in batches:
+        longest = max(durations[i] for i in batch)
+        edge = min(e for e in edges if e >= longest)
+        sizes_by_edge.setdefault(edge, set()).add(len(batch))
+        assert len(batch) * edge <= 20.0  # the padded batch fits the budget
+    for edge, sizes in sizes_by_edge.items():
+        full = int(20.0 // edge)
+        assert max(sizes) == full and len(sizes) <= 2  # full batches + one partial one
+    sampler.set_epoch(1)
+    assert list(sampler) != batches and sampler.bucket_edges() == edges  # edges never move
+
+
+def test_pad_to_buckets_collate_pads_to_the_next_edge():
+    sampler = DurationBatchSampler(
+        [0.3, 0.5, 0.9, 1.0], 4.0, num_buckets=2, pad_to_buckets=True, pad_quantum=64 / 8000
+    )
+    assert sampler.bucket_edges() == [0.504, 1.0]  # rounded up to multiples of 64 samples
+    collate = PadToBuckets(sampler.bucket_edges(), sample_rate=8000)
+    assert collate.edges == [4032, 8000]
+
+    def item(samples: int) -> dict:
+        return {
+            "id": str(samples),
+            "wav": torch.ones(samples),
+            "tokens": torch.tensor([1, 2]),
+            "speaker": 0,
+            "transcript": "ab",
+            "duration": samples / 8000,
+        }
+
+    assert collate([item(100), item(4000)]).wavs.shape == (2, 4032)
+    batch = collate([item(4033), item(10)])
+    assert batch.wavs.shape == (2, 8000) and batch.wav_lens.tolist() == [4033, 10]
+    assert collate([item(9000)]).wavs.shape == (1, 9000)  # past the last edge: its own length
+    assert collate_audio([item(100), item(4000)]).wavs.shape == (2, 4000)  # the default
+
+
+def test_an_epoch_of_real_batches_has_a_bounded_set_of_shapes(fsdd_root, prepared):
+    """With pad_to_buckets every split has at most two shapes per bucket; without, many."""
+    on = digits_cfg(fsdd_root, prepared, "data.pad_to_buckets=true", "data.max_batch_seconds=30")
+    off = digits_cfg(fsdd_root, prepared, "data.max_batch_seconds=30")
+    data_on, data_off = build_data(on, torch.device("cpu")), build_data(off, torch.device("cpu"))
+    for split in ("train", "valid", "test"):
+        shapes = epoch_shapes(getattr(data_on, split))
+        assert len(set(shapes)) <= 2 * on.data.num_buckets, split
+        assert all(size * samples / 8000 <= 30.0 + 0.1 for size, samples in shapes)
+    shapes_off = set(epoch_shapes(data_off.train))
+    assert len(shapes_off) > 4 * on.data.num_buckets  # what the fast path avoids
+    # The benchmark warms up one batch per shape: together they cover the whole epoch.
+    representatives = shape_representatives(data_on.train, torch.device("cpu"))
+    assert {tuple(b.wavs.shape) for b in representatives} == set(epoch_shapes(data_on.train))
+
+
+# ------------------------------------------------------------ CTC lengths on the host
+
+
+def test_batch_moved_to_a_device_keeps_its_host_copy():
+    batch = collate_audio(
+        [
+            {
+                "id": "a",
+                "wav": torch.ones(5),
+                "tokens": torch.tensor([1]),
+                "speaker": 0,
+                "transcript": "a",
+                "duration": 1.0,
+            }
+        ]
+    )
+    moved = batch.to("cpu")
+    assert moved.host is batch and batch.host is None
+    assert moved.to("cpu").host is batch  # the original host batch, not a copy of a copy
+
+
+def test_ctc_lengths_from_the_host_equal_the_models(fsdd_root, prepared, tmp_path):
+    """The lengths the CTC loss reads on the host are exactly those the model computes."""
+    cfg = digits_cfg(fsdd_root, prepared, "data.pad_to_buckets=true", f"output_dir={tmp_path}")
+    data = build_data(cfg, torch.device("cpu"))
+    brain = build_brain(cfg, data, None, None)
+    brain.modules.eval()
+    checked = 0
+    for batch in data.valid:
+        device_batch = batch.to(brain.device)
+        with torch.no_grad():
+            _, out_lens = brain.compute_forward(device_batch, Stage.VALID)
+        host_lens, token_lens = brain.ctc_lengths(device_batch, out_lens)
+        assert torch.equal(host_lens, out_lens) and torch.equal(token_lens, batch.token_lens)
+        assert host_lens.device.type == "cpu" and (out_lens < batch.wavs.shape[1]).all()
+        checked += 1
+    assert checked > 3
+
+
+# ------------------------------------------------------------ regional compilation
+
+
+def test_compile_regions_compiles_each_block_in_place_and_keeps_checkpoint_keys():
+    torch.manual_seed(0)
+    model = ConformerCTC(n_mels=16, d_model=32, num_layers=3, num_heads=2, ffn_dim=64)
+    keys = list(model.state_dict())
+    feats, lens = torch.randn(2, 40, 16), torch.tensor([40, 30])
+    model.eval()
+    expected = model(feats, lens)[0]
+    assert compile_regions(model, backend="eager", dynamic=True) == 3
+    assert list(model.state_dict()) == keys  # a checkpoint loads with and without compile
+    assert all(block._compiled_call_impl is not None for block in model.blocks)
+    assert model.frontend._compiled_call_impl is None  # outside the repeated blocks
+    torch.testing.assert_close(model(feats, lens)[0], expected)
+
+
+def test_fast_path_compiles_a_bounded_number_of_times_over_an_epoch(fsdd_root, tmp_path):
+    """fast_path=cuda_graphs on the CPU (inductor, no CUDA graphs): a full epoch over many
+    batch shapes compiles the encoder block a few times at most, not once per shape."""
+    out = tmp_path / "run"
+    result = run_cli(
+        "train.py",
+        [
+            *[o for o in FAST if not o.startswith("trainer.debug")],
+            "fast_path=cuda_graphs",
+            "trainer.epochs=1",
+            "model.d_model=32",
+            "model.ffn_dim=64",
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "data.max_batch_seconds=60",
+            "data.num_buckets=6",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
+            f"hydra.run.dir={out}",
+        ],
+        fsdd_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    stats = results["compile"]
+    assert stats["graph_breaks"] == 0, stats
+    # dynamic shapes: one graph for training, one for evaluation, plus at most a couple of
+    # recompiles for specialised sizes (a batch of one utterance), over 12+ batch shapes.
+    assert 1 <= stats["graphs"] <= 6 and stats["recompiles"] <= 4, stats
+    assert results["optimizer_steps"] > 20
+
+
+# ------------------------------------------------------------ precision=auto
+
+
+@pytest.mark.parametrize(
+    ("native", "expected"), [(frozenset(), "fp32"), (frozenset({"bf16"}), "bf16")]
+)
+def test_auto_precision_on_the_cpu_follows_its_capabilities(monkeypatch, native, expected):
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: native)
+    name, reason = resolve_precision("auto", torch.device("cpu"))
+    assert name == expected
+    assert ("natively" in reason) == (expected == "bf16") and reason
+    assert resolve_precision("fp16", torch.device("cpu")) == ("fp16", "requested")
+
+
+@pytest.mark.parametrize(("bf16", "expected"), [(True, "bf16"), (False, "fp16")])
+def test_auto_precision_on_a_gpu(monkeypatch, bf16, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+    name, reason = resolve_precision("auto", torch.device("cuda"))
+    assert name == expected and "Some GPU" in reason
+
+
+def test_emulated_cpu_precision_warns_once_naming_the_capability(monkeypatch, caplog):
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    monkeypatch.setattr("amp_utils.precision._warned", set())
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="amp_utils.precision"):
+        assert warn_if_emulated(AMPConfig.from_name("bf16"), cpu)
+        assert warn_if_emulated(AMPConfig.from_name("bf16"), cpu)  # still emulated, no repeat
+        assert not warn_if_emulated(AMPConfig.from_name("fp32"), cpu)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1
+    assert "AVX512-BF16 or AMX" in messages[0] and "10x slower" in messages[0]
+    assert "precision=fp32" in messages[0] and "precision=auto" in messages[0]
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset({"bf16"}))
+    assert not warn_if_emulated(AMPConfig.from_name("bf16"), cpu)
+
+
+def test_brain_resolves_auto_and_logs_why(monkeypatch, caplog):
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset({"bf16"}))
+
+    class Tiny(Brain):
+        pass
+
+    with caplog.at_level(logging.INFO, logger="amp_utils.brain"):
+        brain = Tiny(
+            {"m": torch.nn.Linear(2, 2)},
+            run_opts={"device": "cpu", "precision": "auto", "eval_precision": "auto"},
+        )
+    assert brain.amp.name == "bf16" and brain.eval_amp.name == "bf16"
+    assert any("precision=auto -> bf16" in r.getMessage() for r in caplog.records)
+
+
+def test_results_record_the_precision_actually_used(fsdd_root, prepared, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train.py",
+        [*FAST, "precision=auto", f"data.prepared_dir={prepared}", f"hydra.run.dir={out}"],
+        fsdd_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    used, _ = resolve_precision("auto", torch.device("cpu"))  # this machine's CPU
+    assert results["precision"] == used and results["precision_requested"] == "auto"
+    assert f"precision=auto -> {used}" in (out / "train.log").read_text()
