@@ -19,8 +19,8 @@ the parameters makes re-runs free.
 The audio is quantised to 16 bits in memory exactly as the wav files of generator
 version 1 were: by libsndfile's own float-to-PCM_16 conversion (through soundfile), so an
 utterance is bit-for-bit the audio those files held. At FSDD's 8 kHz (no resampling) the
-samples are FSDD's own 16-bit samples (libsndfile >= 1.1); at other rates they are the
-resampled recordings as a 16-bit wav of them holds them.
+samples are FSDD's own 16-bit samples (with the libsndfile 1.2 that soundfile bundles); at
+other rates they are the resampled recordings as a 16-bit wav of them holds them.
 """
 
 from __future__ import annotations
@@ -44,7 +44,13 @@ from amp_utils.atomic import atomic_write_text
 from data.audio import audio_info, load_audio
 from data.dataset import AudioDataset
 from data.errors import AudioError, DataError
-from data.fsdd import FSDD_VERSION, ensure_fsdd, fsdd_utterances, split_fsdd
+from data.fsdd import (
+    FSDD_VERSION,
+    ensure_fsdd,
+    find_fsdd_recordings,
+    fsdd_utterances,
+    split_fsdd,
+)
 from data.manifest import Utterance
 from data.text import CharTokenizer
 
@@ -95,9 +101,10 @@ def plan_sources(utterances: Iterable[ConnectedUtterance]) -> list[str]:
 def quantize_pcm16(wav: np.ndarray) -> np.ndarray:
     """Float audio in [-1, 1] to int16 exactly as a 16-bit wav written by soundfile holds it.
 
-    The conversion is libsndfile's (version 1.2 scales by 32768, floors and clips; older
-    ones scaled by 32767 and rounded): writing an in-memory RAW file with it, rather than
-    our own arithmetic, keeps the samples identical to the generator's old wav files.
+    The conversion is libsndfile's (measured with 1.2.2: ``floor(x * 32768)``, clipped to
+    the int16 range; other releases may differ): writing an in-memory RAW file with it,
+    rather than our own arithmetic, keeps the samples identical to the wav files the
+    generator used to write, and FSDD's own 16-bit samples unchanged.
     """
     buffer = io.BytesIO()
     samples = np.ascontiguousarray(wav, dtype=np.float32)
@@ -448,6 +455,7 @@ def prepare_connected_digits(
         stamp.is_file()
         and stamp.read_text(encoding="utf-8").strip() == params_hash
         and all(path.is_file() for path in paths.values())
+        and find_fsdd_recordings(root) is not None  # the plans' audio is still there
     ):
         return paths
 

@@ -118,6 +118,31 @@ def load_data(data_cfg: DictConfig) -> tuple[dict[str, list], list[tuple[str, st
     return utterances, skipped, None
 
 
+def make_datasets(
+    utterances: dict[str, list],
+    recordings: Path | None,
+    sample_rate: int,
+    tokenizer: CharTokenizer | None,
+    speakers: list[str],
+) -> dict[str, AudioDataset]:
+    """One dataset per split: manifest audio files, or connected digits built on the fly.
+
+    The connected digits' source ``recordings`` are read once per process and shared by
+    the splits; forked DataLoader workers inherit them instead of reading the files again.
+    """
+    if recordings is None:
+        return {
+            split: AudioDataset(utts, sample_rate, tokenizer, speakers=speakers)
+            for split, utts in utterances.items()
+        }
+    used = plan_sources(utt for split in utterances.values() for utt in split)
+    bank = RecordingBank.load(recordings, used, sample_rate)
+    return {
+        split: ConnectedDigitsDataset(utts, bank, tokenizer, speakers=speakers)
+        for split, utts in utterances.items()
+    }
+
+
 def build_data(
     cfg: DictConfig, device: torch.device, dist_info: DistributedInfo | None = None
 ) -> DataBundle:
@@ -134,18 +159,7 @@ def build_data(
         speakers = sorted({utt.speaker for utt in utterances["train"]})
     else:  # speakers play no role in ASR; test speakers may be unseen
         speakers = sorted({utt.speaker for split in utterances.values() for utt in split})
-    if recordings is None:  # audio files named by manifests
-        datasets = {
-            split: AudioDataset(utts, data_cfg.sample_rate, tokenizer, speakers=speakers)
-            for split, utts in utterances.items()
-        }
-    else:  # connected digits: once per process; DataLoader workers inherit the recordings
-        used = plan_sources(utt for split in utterances.values() for utt in split)
-        bank = RecordingBank.load(recordings, used, data_cfg.sample_rate)
-        datasets = {
-            split: ConnectedDigitsDataset(utts, bank, tokenizer, speakers=speakers)
-            for split, utts in utterances.items()
-        }
+    datasets = make_datasets(utterances, recordings, data_cfg.sample_rate, tokenizer, speakers)
     budget = float(data_cfg.max_batch_seconds) * float(cfg.device.batch_scale)
     workers = int(cfg.device.num_workers)
     loaders = {}
