@@ -23,7 +23,7 @@ from data.connected_digits import (
     read_plan,
 )
 from data.dataset import collate_audio
-from data.errors import AudioError, DataError
+from data.errors import AudioError, DataError, DatasetNotFoundError
 from data.fsdd import TEST_INDICES, VALID_INDICES
 from data.sampler import DurationBatchSampler
 from data.text import DIGIT_WORDS, CharTokenizer
@@ -251,6 +251,8 @@ def test_stamp_skips_rerun_and_changes_regenerate(
     with monkeypatch.context() as patch:
         patch.setattr(connected_digits, "ensure_fsdd", fail)
         assert prepare_connected_digits(fsdd_root, tmp_path, **params) == first
+    with pytest.raises(DatasetNotFoundError):  # the plans are useless without the recordings
+        prepare_connected_digits(tmp_path / "no_fsdd_here", tmp_path, **params)
 
     before = first["valid"].read_text()
     # What generator version 1 left behind: wavs and manifests.
