@@ -1,9 +1,9 @@
 """Atomic file writes: a reader sees the old file or the new one, never a partial one.
 
-Run artefacts (manifests, generated wavs, ``env.txt``, results, sweep summaries) are read by
-other processes and by people while a run may crash or be killed; writing to a temporary
-file in the same folder, syncing it and then ``os.replace``-ing it over the target makes
-each write all-or-nothing.
+Run artefacts (manifests, connected-digit plans, ``env.txt``, results, sweep summaries) are
+read by other processes and by people while a run may crash or be killed; writing to a
+temporary file in the same folder, syncing it and then ``os.replace``-ing it over the
+target makes each write all-or-nothing.
 """
 
 from __future__ import annotations

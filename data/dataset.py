@@ -72,7 +72,8 @@ class AudioDataset(torch.utils.data.Dataset):
     """Utterances as dicts of audio, tokens and speaker index.
 
     Args:
-        utterances: the utterances (e.g. from ``read_manifest``).
+        utterances: the utterances (e.g. from ``read_manifest``); subclasses may pass
+            other records with ``id``, ``duration``, ``transcript`` and ``speaker``.
         sample_rate: rate the audio is loaded at (resampled if needed).
         tokenizer: encodes transcripts; ``None`` gives empty token tensors (tasks without
             text, e.g. speaker identification).
@@ -116,7 +117,7 @@ class AudioDataset(torch.utils.data.Dataset):
             try:
                 self.tokens.append(tokenizer.encode(utt.transcript))
             except DataError as err:
-                raise DataError(f"Utterance {utt.id!r} ({utt.path}): {err}") from None
+                raise DataError(f"Utterance {utt.id!r}: {err}") from None
         #: Durations in seconds, for ``DurationBatchSampler``.
         self.durations: list[float] = [utt.duration for utt in self.utterances]
 
@@ -133,12 +134,19 @@ class AudioDataset(torch.utils.data.Dataset):
         utt = self.utterances[index]
         return {
             "id": utt.id,
-            "wav": load_audio(utt.path, self.sample_rate),
+            "wav": self.load_wav(index),
             "tokens": torch.tensor(self.tokens[index], dtype=torch.int64),
             "speaker": self.speaker_ids[index],
             "transcript": utt.transcript,
             "duration": utt.duration,
         }
+
+    def load_wav(self, index: int) -> torch.Tensor:
+        """The audio of utterance ``index`` (1-D float32 at ``sample_rate``), from its file.
+
+        Subclasses that build audio in memory (``ConnectedDigitsDataset``) override this.
+        """
+        return load_audio(self.utterances[index].path, self.sample_rate)
 
 
 def _pad(tensors: list[torch.Tensor], dtype: torch.dtype, length: int = 0) -> torch.Tensor:

@@ -80,6 +80,9 @@ def validate_config(cfg: DictConfig) -> None:
         "data.num_buckets",
     ):
         _positive(cfg, key, integer=True)
+    if cfg.data.name == "fsdd_connected":
+        for key in ("data.num_train", "data.num_valid", "data.num_test"):
+            _positive(cfg, key, integer=True)
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
     _choice(cfg, "trainer.compile_mode", COMPILE_MODES)

@@ -3,6 +3,10 @@
 Under DDP, rank 0 alone downloads, prepares and checks the data (the others wait and get
 its utterance lists) and every split is sharded over the ranks: training shards have equal
 batch counts (DDP steps together), evaluation shards together cover the whole split.
+
+Connected digits have no audio files: every process loads their source recordings into
+memory once (``RecordingBank``), its DataLoader workers inherit them, and the utterances
+are built on the fly from rank 0's plans.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from torch.utils.data import DataLoader
 
 from amp_utils.distributed import DistributedInfo, run_on_main
 from data.audio import check_audio_files
-from data.connected_digits import prepare_connected_digits
+from data.connected_digits import (
+    ConnectedDigitsDataset,
+    RecordingBank,
+    load_connected_digits,
+    plan_sources,
+    prepare_connected_digits,
+)
 from data.dataset import AudioDataset, PadToBuckets, collate_audio
 from data.errors import DataError
 from data.fsdd import prepare_fsdd_digits
@@ -46,7 +56,7 @@ class DataBundle:
 
 
 def prepare_manifests(data_cfg: DictConfig) -> dict[str, Path]:
-    """Prepare (or find) the train/valid/test manifests of the configured data set."""
+    """Prepare (or find) the train/valid/test manifests (plans, for connected digits)."""
     if data_cfg.name == "fsdd_digits":
         return prepare_fsdd_digits(data_cfg.root, data_cfg.prepared_dir, download=data_cfg.download)
     if data_cfg.name == "fsdd_connected":
@@ -91,6 +101,50 @@ def load_utterances(
     return splits, skipped
 
 
+def load_data(data_cfg: DictConfig) -> tuple[dict[str, list], list[tuple[str, str]], Path | None]:
+    """Prepare the configured data set and check it (audio headers) before training starts.
+
+    Returns:
+        ``(utterances per split, skipped (path, reason) pairs, recordings folder)``; the
+        folder is that of the connected digits' source recordings, ``None`` for manifests.
+    """
+    paths = prepare_manifests(data_cfg)
+    if data_cfg.name == "fsdd_connected":
+        plans, skipped, recordings = load_connected_digits(
+            paths, data_cfg.root, data_cfg.skip_bad_files
+        )
+        for path, reason in skipped:
+            logger.warning("Skipping the utterances that use bad recording %s: %s", path, reason)
+        return plans, skipped, recordings
+    utterances, skipped = load_utterances(paths, data_cfg.skip_bad_files)
+    return utterances, skipped, None
+
+
+def make_datasets(
+    utterances: dict[str, list],
+    recordings: Path | None,
+    sample_rate: int,
+    tokenizer: CharTokenizer | None,
+    speakers: list[str],
+) -> dict[str, AudioDataset]:
+    """One dataset per split: manifest audio files, or connected digits built on the fly.
+
+    The connected digits' source ``recordings`` are read once per process and shared by
+    the splits; forked DataLoader workers inherit them instead of reading the files again.
+    """
+    if recordings is None:
+        return {
+            split: AudioDataset(utts, sample_rate, tokenizer, speakers=speakers)
+            for split, utts in utterances.items()
+        }
+    used = plan_sources(utt for split in utterances.values() for utt in split)
+    bank = RecordingBank.load(recordings, used, sample_rate)
+    return {
+        split: ConnectedDigitsDataset(utts, bank, tokenizer, speakers=speakers)
+        for split, utts in utterances.items()
+    }
+
+
 def build_data(
     cfg: DictConfig, device: torch.device, dist_info: DistributedInfo | None = None
 ) -> DataBundle:
@@ -101,18 +155,13 @@ def build_data(
     data_cfg = cfg.data
     dist_info = dist_info or DistributedInfo()
     # Rank 0 prepares and checks the data once; the others get its utterance lists.
-    utterances, skipped = run_on_main(
-        lambda: load_utterances(prepare_manifests(data_cfg), data_cfg.skip_bad_files)
-    )
+    utterances, skipped, recordings = run_on_main(lambda: load_data(data_cfg))
     tokenizer = CharTokenizer() if cfg.model.task == "asr" else None
     if cfg.model.task == "speaker":  # closed set: evaluation speakers must be trained on
         speakers = sorted({utt.speaker for utt in utterances["train"]})
     else:  # speakers play no role in ASR; test speakers may be unseen
         speakers = sorted({utt.speaker for split in utterances.values() for utt in split})
-    datasets = {
-        split: AudioDataset(utterances[split], data_cfg.sample_rate, tokenizer, speakers=speakers)
-        for split in SPLITS
-    }
+    datasets = make_datasets(utterances, recordings, data_cfg.sample_rate, tokenizer, speakers)
     budget = float(data_cfg.max_batch_seconds) * float(cfg.device.batch_scale)
     workers = int(cfg.device.num_workers)
     loaders = {}

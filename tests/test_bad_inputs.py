@@ -94,6 +94,15 @@ def test_bad_values_fail_before_any_work(tmp_path, override, message):
         train(cfg)
 
 
+@pytest.mark.parametrize("split", ["train", "valid", "test"])
+def test_connected_digits_need_utterances_in_every_split(tmp_path, split):
+    cfg = compose_config(
+        [*FAST, "data=fsdd_connected", f"data.num_{split}=0", f"output_dir={tmp_path / 'run'}"]
+    )
+    with pytest.raises(ConfigError, match=f"data.num_{split}=0 is not valid.*positive integer"):
+        train(cfg)
+
+
 def test_output_folder_not_writable(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

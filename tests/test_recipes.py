@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from amp_utils import Checkpointer
+from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
 from recipes.config import validate_config
 from recipes.experiment import train
+from recipes.inference import load_trained
 from tests.recipe_helpers import FAST, compose_config, manifest_config, run_cli
 
 OPTIONS = {
@@ -124,7 +127,14 @@ def test_speaker_id_run_reports_accuracy(tmp_path, fsdd_root, prepared_digits):
     assert all("accuracy" in c.meta for c in ckpts)
 
 
-def test_connected_digits_run_reports_wer(tmp_path, fsdd_root):
+def trained_model(cfg):
+    """The run's model as transcribe.py loads it (the config file is what Hydra writes)."""
+    (Path(cfg.output_dir) / ".hydra").mkdir()
+    OmegaConf.save(cfg, Path(cfg.output_dir) / ".hydra" / "config.yaml")
+    return load_trained(cfg.output_dir, device="cpu")
+
+
+def test_connected_digits_run_reports_wer(tmp_path, fsdd_root, fsdd_recordings):
     cfg = compose_config(
         [
             *FAST,
@@ -139,8 +149,31 @@ def test_connected_digits_run_reports_wer(tmp_path, fsdd_root):
     )
     results = train(cfg)
     assert set(results["test_metrics"]) == {"loss", "CER", "WER"}
-    rows = read_csv(tmp_path / "prep" / "test.csv")
-    assert len(rows) == 4 and all(2 <= len(r["transcript"].split()) <= 7 for r in rows)
+    plans = read_plan(tmp_path / "prep" / "test.plan.jsonl")
+    assert len(plans) == 4 and all(2 <= len(p.transcript.split()) <= 7 for p in plans)
+    assert not list((tmp_path / "prep").rglob("*.wav"))  # audio is built on the fly
+    (transcript,) = trained_model(cfg).label([fsdd_recordings / "3_theo_0.wav"])
+    assert set(transcript) <= set("abcdefghijklmnopqrstuvwxyz' ")
+
+
+def test_connected_digits_speaker_id_run_reports_accuracy(tmp_path, fsdd_root, fsdd_recordings):
+    cfg = compose_config(
+        [
+            *FAST,
+            "model=xvector",
+            f"data.root={fsdd_root}",
+            "data=fsdd_connected",
+            f"data.prepared_dir={tmp_path / 'prep'}",
+            f"output_dir={tmp_path / 'run'}",
+            "data.num_train=24",
+            "data.num_valid=4",
+            "data.num_test=4",
+        ]
+    )
+    results = train(cfg)
+    assert results["task"] == "speaker" and 0 <= results["test_metrics"]["accuracy"] <= 100
+    (speaker,) = trained_model(cfg).label([fsdd_recordings / "3_theo_0.wav"])
+    assert speaker in json.loads((tmp_path / "run" / "labels.json").read_text())["speakers"]
 
 
 def test_manifest_data_trains_on_user_manifests(tmp_path, fsdd_root, prepared_digits):

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from data.connected_digits import prepare_connected_digits
+from data.connected_digits import (
+    ConnectedUtterance,
+    RecordingBank,
+    load_connected_digits,
+    plan_sources,
+    prepare_connected_digits,
+)
 from data.fsdd import fsdd_utterances
 from data.manifest import Utterance
 
@@ -30,8 +36,27 @@ def small_num_utterances() -> dict[str, int]:
 def small_connected(
     fsdd_root: Path, small_num_utterances: dict[str, int], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """Manifests of a small connected-digit set, built once per session."""
+    """Plans of a small connected-digit set, prepared once per session."""
     out_dir = tmp_path_factory.mktemp("connected")
     return prepare_connected_digits(
         fsdd_root, out_dir, num_utterances=small_num_utterances, download=False
     )
+
+
+@pytest.fixture(scope="session")
+def small_connected_plans(
+    small_connected: dict[str, Path], fsdd_root: Path
+) -> dict[str, list[ConnectedUtterance]]:
+    """The small set's plans per split, read and checked as before training."""
+    splits, skipped, _ = load_connected_digits(small_connected, fsdd_root, skip_bad_files=False)
+    assert not skipped
+    return splits
+
+
+@pytest.fixture(scope="session")
+def small_bank(
+    small_connected_plans: dict[str, list[ConnectedUtterance]], fsdd_recordings: Path
+) -> RecordingBank:
+    """The source recordings of the small set, in memory at 8 kHz."""
+    used = plan_sources(utt for plans in small_connected_plans.values() for utt in plans)
+    return RecordingBank.load(fsdd_recordings, used, 8000)

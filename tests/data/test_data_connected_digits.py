@@ -1,37 +1,169 @@
-"""Connected-digit generation: determinism, content, split hygiene and the re-run stamp."""
+"""Connected digits: plans, audio built on the fly, determinism, split hygiene, the stamp."""
 
 from __future__ import annotations
 
+import hashlib
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile
+import torch
+import torchaudio
 
 from data import connected_digits
-from data.connected_digits import prepare_connected_digits
-from data.errors import DataError
-from data.fsdd import parse_fsdd_name
-from data.manifest import read_manifest
-from data.text import DIGIT_WORDS
+from data.connected_digits import (
+    ConnectedDigitsDataset,
+    ConnectedUtterance,
+    RecordingBank,
+    load_connected_digits,
+    plan_sources,
+    prepare_connected_digits,
+    read_plan,
+)
+from data.dataset import collate_audio
+from data.errors import AudioError, DataError, DatasetNotFoundError
+from data.fsdd import TEST_INDICES, VALID_INDICES
+from data.sampler import DurationBatchSampler
+from data.text import DIGIT_WORDS, CharTokenizer
+
+#: Recording indices per split (data/fsdd.py): test 0-4 (official), valid 5-9, train 10-49.
+SPLIT_INDICES = {
+    "test": set(TEST_INDICES),
+    "valid": set(VALID_INDICES),
+    "train": set(range(10, 50)),
+}
+PLAN_FILES = {"train.plan.jsonl", "valid.plan.jsonl", "test.plan.jsonl", ".done"}
+
+#: sha256 over (id, transcript, float32 samples) of the first 4 utterances per split, seed
+#: 1234, as the wav files of generator version 1 held them (read back with soundfile).
+VERSION_1_DIGESTS = {
+    8000: {
+        "train": "3121d9b8656aaf9041813e4016ff472e6794e4c19492657b05bda2704047780c",
+        "valid": "45cddf2d502d2924d862d4723644f89b90d902d5348cf092e7775b51964ed72c",
+        "test": "cd6615a44ea9f6655622b58953bafa014b1e12b5a98b30b4f650b0a5792f25cf",
+    },
+    16000: {"test": "7b95886f28476ddc72b2ae2917c94b7053e8356c756fffa78808081ba994e080"},
+}
 
 
-def test_manifests_content(
-    small_connected: dict[str, Path], small_num_utterances: dict[str, int]
+def recording_name(source: str) -> tuple[int, str, int]:
+    digit, speaker, index = source.split("_")
+    return int(digit), speaker, int(index)
+
+
+def dataset_of(plan_paths: dict[str, Path], root: Path, sample_rate: int = 8000):
+    """Plans read and checked as before training, and a dataset per split over one bank."""
+    splits, skipped, recordings = load_connected_digits(plan_paths, root, skip_bad_files=False)
+    assert not skipped
+    used = plan_sources(utt for plans in splits.values() for utt in plans)
+    bank = RecordingBank.load(recordings, used, sample_rate)
+    return {split: ConnectedDigitsDataset(plans, bank) for split, plans in splits.items()}
+
+
+def old_writer_audio(
+    recordings: Path, utt: ConnectedUtterance, sample_rate: int, folder: Path
+) -> np.ndarray:
+    """An utterance as generator version 1 stored it, built here independently of data/:
+
+    read the sources, resample, join with zeros, clip, write a 16-bit wav, read it back.
+    """
+    pieces = []
+    for number, source in enumerate(utt.sources):
+        if number:
+            pieces.append(np.zeros(utt.silences[number - 1], np.float32))
+        wav, rate = soundfile.read(recordings / f"{source}.wav", dtype="float32")
+        if rate != sample_rate:
+            wav = torchaudio.functional.resample(torch.from_numpy(wav), rate, sample_rate).numpy()
+        pieces.append(wav)
+    path = folder / f"{utt.id}.wav"
+    soundfile.write(path, np.clip(np.concatenate(pieces), -1, 1), sample_rate, subtype="PCM_16")
+    return soundfile.read(path, dtype="float32")[0]
+
+
+def test_plans_content(
+    small_connected_plans: dict[str, list[ConnectedUtterance]],
+    small_num_utterances: dict[str, int],
+    fsdd_recordings: Path,
 ) -> None:
-    assert sorted(small_connected) == ["test", "train", "valid"]
-    for split, path in small_connected.items():
-        utts = read_manifest(path)
-        assert len(utts) == small_num_utterances[split]
-        for utt in utts:
+    for split, plans in small_connected_plans.items():
+        assert len(plans) == small_num_utterances[split]
+        assert len({utt.id for utt in plans}) == len(plans)
+        for utt in plans:
             words = utt.transcript.split(" ")
             assert 2 <= len(words) <= 7 and set(words) <= set(DIGIT_WORDS)
-            assert Path(utt.path).parent == path.parent / "wavs" / split
-            info = soundfile.info(utt.path)
-            assert info.samplerate == 8000 and info.subtype == "PCM_16"
-            assert info.frames / info.samplerate == pytest.approx(utt.duration, abs=1e-9)
+            sources = [recording_name(s) for s in utt.sources]
+            assert words == [DIGIT_WORDS[digit] for digit, _, _ in sources]
+            assert {speaker for _, speaker, _ in sources} == {utt.speaker}
+            assert len(utt.silences) == len(utt.sources) - 1
+            assert all(round(0.05 * 8000) <= s <= round(0.25 * 8000) for s in utt.silences)
+            frames = [soundfile.info(fsdd_recordings / f"{s}.wav").frames for s in utt.sources]
+            assert utt.num_samples == sum(frames) + sum(utt.silences)
+            assert utt.duration == utt.num_samples / 8000
 
 
-def test_deterministic_across_runs(
+def test_preparation_writes_plans_only(small_connected: dict[str, Path]) -> None:
+    folder = small_connected["train"].parent
+    assert {p.name for p in folder.rglob("*")} == PLAN_FILES
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 10_000
+
+
+def test_items_are_the_audio_the_old_writer_stored(
+    small_connected: dict[str, Path],
+    small_connected_plans: dict[str, list[ConnectedUtterance]],
+    small_bank: RecordingBank,
+    fsdd_recordings: Path,
+    tmp_path: Path,
+) -> None:
+    tokenizer = CharTokenizer()
+    for plans in small_connected_plans.values():
+        dataset = ConnectedDigitsDataset(plans, small_bank, tokenizer)
+        for index, utt in enumerate(plans):
+            item = dataset[index]
+            expected = old_writer_audio(fsdd_recordings, utt, 8000, tmp_path)
+            assert item["wav"].dtype == torch.float32
+            assert np.array_equal(item["wav"].numpy(), expected), utt.id  # bit for bit
+            assert item["id"] == utt.id and item["duration"] == utt.duration
+            assert tokenizer.decode(item["tokens"].tolist()) == utt.transcript
+    assert {p.name for p in small_connected["train"].parent.iterdir()} == PLAN_FILES
+
+
+@pytest.mark.parametrize("sample_rate", sorted(VERSION_1_DIGESTS))
+def test_same_utterances_and_audio_as_generator_version_1(
+    fsdd_root: Path, fsdd_recordings: Path, tmp_path: Path, sample_rate: int
+) -> None:
+    """Pinned digests: the same plans and audio on every host, release and run.
+
+    At 16 kHz (resampled sources) the items also equal the independently built reference.
+    """
+    digests = VERSION_1_DIGESTS[sample_rate]
+    paths = prepare_connected_digits(
+        fsdd_root,
+        tmp_path,
+        num_utterances=dict.fromkeys(digests, 4),
+        sample_rate=sample_rate,
+        download=False,
+    )
+    plans = {split: read_plan(path) for split, path in paths.items()}
+    used = plan_sources(utt for split in plans.values() for utt in split)
+    bank = RecordingBank.load(fsdd_recordings, used, sample_rate)
+    for split, expected in digests.items():
+        dataset = ConnectedDigitsDataset(plans[split], bank)
+        digest = hashlib.sha256()
+        for index in range(len(dataset)):
+            item = dataset[index]
+            digest.update(item["id"].encode())
+            digest.update(item["transcript"].encode())
+            digest.update(item["wav"].numpy().tobytes())
+            if sample_rate != 8000:  # 8 kHz: test_items_are_the_audio_the_old_writer_stored
+                utt = plans[split][index]
+                expected_wav = old_writer_audio(fsdd_recordings, utt, sample_rate, tmp_path)
+                assert np.array_equal(item["wav"].numpy(), expected_wav), utt.id
+        assert digest.hexdigest() == expected, split
+
+
+def test_deterministic_across_preparations(
     fsdd_root: Path,
     small_connected: dict[str, Path],
     small_num_utterances: dict[str, int],
@@ -41,34 +173,69 @@ def test_deterministic_across_runs(
         fsdd_root, tmp_path, num_utterances=small_num_utterances, download=False
     )
     for split, path in small_connected.items():
-        assert again[split].read_text() == path.read_text()
-    first = read_manifest(small_connected["test"])[0]
-    rebuilt = read_manifest(again["test"])[0]
-    assert Path(first.path).read_bytes() == Path(rebuilt.path).read_bytes()
+        assert again[split].read_bytes() == path.read_bytes()
+    first, second = dataset_of(small_connected, fsdd_root), dataset_of(again, fsdd_root)
+    for split, dataset in first.items():
+        for index in range(len(dataset)):
+            assert torch.equal(dataset[index]["wav"], second[split][index]["wav"])
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_one_speaker_one_split(
-    fsdd_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+def test_same_batches_with_any_number_of_loader_workers(
+    small_connected_plans: dict[str, list[ConnectedUtterance]], small_bank: RecordingBank
 ) -> None:
-    loaded: list[str] = []
-    real_load = connected_digits.load_audio
+    dataset = ConnectedDigitsDataset(small_connected_plans["train"], small_bank, CharTokenizer())
 
-    def spy(path, sample_rate):
-        loaded.append(str(path))
-        return real_load(path, sample_rate)
+    def batches(num_workers: int) -> list:
+        sampler = DurationBatchSampler(dataset.durations, max_batch_seconds=12.0, seed=3)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collate_audio, num_workers=num_workers
+        )
+        return list(loader)
 
-    monkeypatch.setattr(connected_digits, "load_audio", spy)
+    in_process, in_workers = batches(0), batches(2)
+    assert len(in_process) == len(in_workers) > 1
+    for one, two in zip(in_process, in_workers, strict=True):
+        assert one.ids == two.ids and one.transcripts == two.transcripts
+        assert torch.equal(one.wavs, two.wavs) and torch.equal(one.wav_lens, two.wav_lens)
+        assert torch.equal(one.tokens, two.tokens)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_each_split_uses_only_its_recordings_and_one_speaker(
+    fsdd_root: Path, tmp_path: Path, seed: int
+) -> None:
     paths = prepare_connected_digits(
-        fsdd_root, tmp_path, num_utterances={"test": 1}, seed=seed, download=False
+        fsdd_root,
+        tmp_path,
+        num_utterances={"train": 300, "valid": 300, "test": 300},
+        seed=seed,
+        download=False,
     )
-    assert sorted(paths) == ["test"]
-    (utt,) = read_manifest(paths["test"])
-    sources = [parse_fsdd_name(p) for p in loaded]
-    assert {speaker for _, speaker, _ in sources} == {utt.speaker}
-    assert {index for _, _, index in sources} <= set(range(5))
-    # Sources are cached, so the distinct digits loaded are the distinct words said.
-    assert {DIGIT_WORDS[digit] for digit, _, _ in sources} == set(utt.transcript.split())
+    for split, path in paths.items():
+        for utt in read_plan(path):
+            sources = [recording_name(s) for s in utt.sources]
+            assert {index for _, _, index in sources} <= SPLIT_INDICES[split], utt
+            assert {speaker for _, speaker, _ in sources} == {utt.speaker}
+
+
+def test_tens_of_hours_prepare_in_seconds_into_megabytes(fsdd_root: Path, tmp_path: Path) -> None:
+    start = time.perf_counter()
+    paths = prepare_connected_digits(
+        fsdd_root,
+        tmp_path,
+        num_utterances={"train": 50_000, "valid": 150, "test": 300},
+        download=False,
+    )
+    seconds = time.perf_counter() - start
+    assert {p.name for p in tmp_path.rglob("*")} == PLAN_FILES  # no audio written
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) < 20e6  # 11.5 MB measured
+    train = read_plan(paths["train"])
+    assert len(train) == 50_000 and len({utt.id for utt in train}) == 50_000
+    assert sum(utt.duration for utt in train) / 3600 > 30  # 34.7 h measured
+    for utt in train:
+        assert {recording_name(s)[2] for s in utt.sources} <= SPLIT_INDICES["train"]
+    # ~5 s measured on 2 shared cores; writing the wavs would take ~13 minutes.
+    assert seconds < 120, f"preparing 50k plans took {seconds:.0f} s"
 
 
 def test_stamp_skips_rerun_and_changes_regenerate(
@@ -84,11 +251,17 @@ def test_stamp_skips_rerun_and_changes_regenerate(
     with monkeypatch.context() as patch:
         patch.setattr(connected_digits, "ensure_fsdd", fail)
         assert prepare_connected_digits(fsdd_root, tmp_path, **params) == first
+    with pytest.raises(DatasetNotFoundError):  # the plans are useless without the recordings
+        prepare_connected_digits(tmp_path / "no_fsdd_here", tmp_path, **params)
 
     before = first["valid"].read_text()
+    # What generator version 1 left behind: wavs and manifests.
+    (tmp_path / "wavs" / "valid").mkdir(parents=True)
+    (tmp_path / "wavs" / "valid" / "valid_00000_theo.wav").write_bytes(b"RIFF")
+    (tmp_path / "valid.csv").write_text("id,path,duration,transcript,speaker\n")
     prepare_connected_digits(fsdd_root, tmp_path, seed=99, **params)
-    assert first["valid"].read_text() != before
-    assert len(list((tmp_path / "wavs" / "valid").glob("*.wav"))) == 2
+    assert first["valid"].read_text() != before and len(read_plan(first["valid"])) == 2
+    assert {p.name for p in tmp_path.iterdir()} == {"valid.plan.jsonl", ".done"}
 
 
 def test_bad_parameters(fsdd_root: Path, tmp_path: Path) -> None:
@@ -96,3 +269,48 @@ def test_bad_parameters(fsdd_root: Path, tmp_path: Path) -> None:
         prepare_connected_digits(fsdd_root, tmp_path, min_digits=5, max_digits=2)
     with pytest.raises(DataError, match="unknown split"):
         prepare_connected_digits(fsdd_root, tmp_path, num_utterances={"dev": 3})
+
+
+def test_bad_source_recording_is_named_or_skipped(
+    small_connected: dict[str, Path],
+    small_connected_plans: dict[str, list[ConnectedUtterance]],
+    fsdd_recordings: Path,
+    tmp_path: Path,
+) -> None:
+    copy = tmp_path / "recordings"
+    copy.mkdir()
+    for wav in fsdd_recordings.glob("*.wav"):
+        (copy / wav.name).symlink_to(wav)
+    bad = small_connected_plans["test"][0].sources[0]
+    (copy / f"{bad}.wav").unlink()
+    (copy / f"{bad}.wav").write_bytes((fsdd_recordings / f"{bad}.wav").read_bytes()[:100])
+    with pytest.raises(AudioError, match=f"{bad}.wav.*truncated"):
+        load_connected_digits(small_connected, copy, skip_bad_files=False)
+    splits, skipped, _ = load_connected_digits(small_connected, copy, skip_bad_files=True)
+    assert [path for path, _ in skipped] == [str(copy / f"{bad}.wav")]
+    for split, plans in splits.items():
+        kept = [utt for utt in small_connected_plans[split] if bad not in utt.sources]
+        assert plans == kept
+    assert len(splits["test"]) < len(small_connected_plans["test"])
+
+
+def test_plan_that_does_not_fit_the_recordings_is_refused(
+    small_connected_plans: dict[str, list[ConnectedUtterance]], small_bank: RecordingBank
+) -> None:
+    utt = small_connected_plans["test"][0]
+    longer = ConnectedUtterance(**{**utt.__dict__, "num_samples": utt.num_samples + 1})
+    with pytest.raises(DataError, match=f"{utt.id}.*samples.*delete the prepared folder"):
+        ConnectedDigitsDataset([longer], small_bank)
+    unknown = ConnectedUtterance(**{**utt.__dict__, "sources": ("3_alice_1", *utt.sources[1:])})
+    with pytest.raises(DataError, match="3_alice_1.*not loaded"):
+        ConnectedDigitsDataset([unknown], small_bank)
+
+
+def test_broken_plan_line_is_named(small_connected: dict[str, Path], tmp_path: Path) -> None:
+    lines = small_connected["test"].read_text().splitlines()
+    broken = tmp_path / "test.plan.jsonl"
+    broken.write_text("\n".join([lines[0], lines[1][:40]]) + "\n")
+    with pytest.raises(DataError, match="line 2: not a valid plan.*re-run"):
+        read_plan(broken)
+    with pytest.raises(DataError, match="plan not found.*data=fsdd_connected"):
+        read_plan(tmp_path / "missing.plan.jsonl")

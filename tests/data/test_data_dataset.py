@@ -7,18 +7,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.connected_digits import ConnectedDigitsDataset
 from data.dataset import AudioBatch, AudioDataset, collate_audio
 from data.errors import DataError
 from data.fsdd import FSDD_SPEAKERS
-from data.manifest import Utterance, read_manifest
+from data.manifest import Utterance
 from data.sampler import DurationBatchSampler
 from data.text import CharTokenizer
 
 
-@pytest.fixture
-def dataset(small_connected: dict[str, Path]) -> AudioDataset:
-    return AudioDataset(
-        read_manifest(small_connected["train"]), 8000, CharTokenizer(), FSDD_SPEAKERS
+@pytest.fixture(params=["audio_files", "connected_digits"])
+def dataset(request, fsdd_utts, small_connected_plans, small_bank) -> AudioDataset:
+    """Both kinds give the same items: FSDD files named by utterances, connected digits."""
+    if request.param == "audio_files":
+        return AudioDataset(fsdd_utts[::150], 8000, CharTokenizer(), FSDD_SPEAKERS)
+    return ConnectedDigitsDataset(
+        small_connected_plans["train"], small_bank, CharTokenizer(), FSDD_SPEAKERS
     )
 
 
