@@ -35,7 +35,9 @@ class RunOptions:
     compile: bool = False  # wrap modules with torch.compile
     compile_module_keys: list[str] | None = None  # modules to compile (None: all)
     compile_mode: str = "default"  # torch.compile mode
+    compile_backend: str = "inductor"  # torch.compile backend (aot_eager: no code generation)
     compile_regions: bool = False  # compile each ModuleList block (one compile for all) in place
+    compile_eval: bool = False  # also run validation/test compiled (else eagerly: no capture)
     log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
     allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
     seed: int = 1234  # seed of the data loader's own generator

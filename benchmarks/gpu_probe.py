@@ -28,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.features import LogMelFeatures  # noqa: E402
 from recipes.asr.model import ConformerCTC, ctc_log_probs, ctc_loss  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 SMALL = dict(d_model=144, num_layers=4, num_heads=4, ffn_dim=576, conv_kernel=15, subsampling=2)
 MEDIUM = dict(d_model=256, num_layers=16, num_heads=4, ffn_dim=1024, conv_kernel=31, subsampling=4)
 
@@ -63,6 +68,7 @@ def batch(b: int, seconds: float, device, seed: int = 0, sr: int = 8000):
 
 
 import torch.nn.functional as F  # noqa: E402
+
 from recipes.asr.model import ConvModule  # noqa: E402
 
 _ORIGINAL_CONV_FORWARD = ConvModule.forward
@@ -111,8 +117,10 @@ class Setup:
             self.graphs: dict = {}
         elif mode.startswith("compile"):
             # compile[-ro][-regional][-dyn]
-            kw = {"mode": "reduce-overhead" if "-ro" in mode else "default",
-                  "dynamic": "-dyn" in mode}
+            kw = {
+                "mode": "reduce-overhead" if "-ro" in mode else "default",
+                "dynamic": "-dyn" in mode,
+            }
             if "-regional" in mode:
                 for i, blk in enumerate(self.model.blocks):
                     self.model.blocks[i] = torch.compile(blk, **kw)
@@ -122,7 +130,9 @@ class Setup:
 
     def autocast(self):
         return torch.autocast(
-            self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32,
+            self.device.type,
+            dtype=self.dtype,
+            enabled=self.dtype != torch.float32,
             cache_enabled=False,
         )
 
@@ -192,10 +202,10 @@ def timed(setup: Setup, batches: list, warmup: int, steps: int) -> dict:
         e.record()
         marks.append(e)
         torch.cuda.synchronize()
-        per = [a.elapsed_time(c) for a, c in zip(marks, marks[1:])]
+        per = [a.elapsed_time(c) for a, c in zip(marks, marks[1:], strict=False)]
     else:
         marks.append(time.perf_counter())
-        per = [1e3 * (c - a) for a, c in zip(marks, marks[1:])]
+        per = [1e3 * (c - a) for a, c in zip(marks, marks[1:], strict=False)]
     total = time.perf_counter() - t0
     per.sort()
     return {
@@ -241,16 +251,27 @@ def main() -> None:
             return
         try:
             setup = Setup(cfg, precision, device, mode)
-            row = {"model": name, "precision": precision, "mode": mode,
-                   "batch": list(batches[0]["wavs"].shape)}
+            row = {
+                "model": name,
+                "precision": precision,
+                "mode": mode,
+                "batch": list(batches[0]["wavs"].shape),
+            }
             row.update(timed(setup, batches, warm, steps))
             if flops and not dry:
                 row["tflop_per_step"] = round(step_flops(setup, batches[0]) / 1e12, 3)
                 row["tflops"] = round(row["tflop_per_step"] / (row["ms_per_step"] / 1e3), 1)
             log(row)
         except Exception as err:  # keep probing the other variants
-            log({"model": name, "precision": precision, "mode": mode, "error": repr(err)[:400],
-                 "trace": traceback.format_exc()[-1500:]})
+            log(
+                {
+                    "model": name,
+                    "precision": precision,
+                    "mode": mode,
+                    "error": repr(err)[:400],
+                    "trace": traceback.format_exc()[-1500:],
+                }
+            )
         finally:
             if not dry:
                 torch.cuda.empty_cache()
@@ -283,9 +304,11 @@ def main() -> None:
         if time.perf_counter() - START > args.deadline:
             break
         setup = Setup(small, p, device, "eager")
-        shapes = [batch(8 if dry else 100 + 7 * i, 0.5 + 0.05 * i, device, 10 + i) for i in range(8)]
+        shapes = [
+            batch(8 if dry else 100 + 7 * i, 0.5 + 0.05 * i, device, 10 + i) for i in range(8)
+        ]
         firsts, seconds = [], []
-        for rnd, acc in ((0, firsts), (1, seconds)):
+        for _rnd, acc in ((0, firsts), (1, seconds)):
             for b in shapes:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -294,8 +317,15 @@ def main() -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 acc.append(round(1e3 * (time.perf_counter() - t), 1))
-        log({"model": "small", "precision": p, "mode": "new-shapes",
-             "first_visit_ms": firsts, "second_visit_ms": seconds})
+        log(
+            {
+                "model": "small",
+                "precision": p,
+                "mode": "new-shapes",
+                "first_visit_ms": firsts,
+                "second_visit_ms": seconds,
+            }
+        )
         if p == "fp16" and not dry:
             from torch.profiler import ProfilerActivity, profile
 
@@ -314,7 +344,7 @@ def main() -> None:
             setup = Setup(medium, "bf16", device, "compile-ro-regional-dyn")
             shapes = [batch(96, s, device, 20 + i) for i, s in enumerate((3.0, 4.0, 5.0))]
             times = []
-            for rnd in range(3):
+            for _rnd in range(3):
                 for b in shapes:
                     torch.cuda.synchronize()
                     t = time.perf_counter()
@@ -323,14 +353,30 @@ def main() -> None:
                     times.append(round(1e3 * (time.perf_counter() - t), 1))
             from torch._dynamo.utils import counters
 
-            log({"model": "M", "precision": "bf16", "mode": "ro-regional-dyn 3 shapes x3",
-                 "step_ms": times, "recompiles": dict(counters["stats"])})
+            log(
+                {
+                    "model": "M",
+                    "precision": "bf16",
+                    "mode": "ro-regional-dyn 3 shapes x3",
+                    "step_ms": times,
+                    "recompiles": dict(counters["stats"]),
+                }
+            )
         except Exception as err:
-            log({"mode": "ro-dyn-shapes", "error": repr(err)[:400],
-                 "trace": traceback.format_exc()[-1500:]})
-    for p, mode in (("tf32", "compile-ro-regional-dyn"),
-                    ("fp32", "compile-ro-regional-dyn"), ("fp16", "compile-ro-regional-dyn"),
-                    ("bf16", "compile-regional"), ("bf16", "compile-ro")):
+            log(
+                {
+                    "mode": "ro-dyn-shapes",
+                    "error": repr(err)[:400],
+                    "trace": traceback.format_exc()[-1500:],
+                }
+            )
+    for p, mode in (
+        ("tf32", "compile-ro-regional-dyn"),
+        ("fp32", "compile-ro-regional-dyn"),
+        ("fp16", "compile-ro-regional-dyn"),
+        ("bf16", "compile-regional"),
+        ("bf16", "compile-ro"),
+    ):
         run("M", medium, p, mode, med_b)
     log({"done": True})
 
@@ -383,13 +429,24 @@ def suite3(args, run, device, dry, medium, med_b) -> None:
                     setup.step(b)
                     sync()
                     times.append(round(1e3 * (time.perf_counter() - t), 1))
-            row = {"model": "M", "precision": p, "mode": "compile-ro-dyn", "visits_ms": times,
-                   "setup_s": round(time.perf_counter() - t0, 1)}
+            row = {
+                "model": "M",
+                "precision": p,
+                "mode": "compile-ro-dyn",
+                "visits_ms": times,
+                "setup_s": round(time.perf_counter() - t0, 1),
+            }
             row.update(timed(setup, [shapes[1]], 3, 10 if dry else 20))
             log(row)
         except Exception as err:
-            log({"mode": "compile-ro-dyn", "precision": p, "error": repr(err)[:400],
-                 "trace": traceback.format_exc()[-1500:]})
+            log(
+                {
+                    "mode": "compile-ro-dyn",
+                    "precision": p,
+                    "error": repr(err)[:400],
+                    "trace": traceback.format_exc()[-1500:],
+                }
+            )
     run("M", medium, "fp32", "compile-ro", med_b)
 
 

@@ -1,49 +1,96 @@
 #!/usr/bin/env bash
-# Reproduces the GPU measurements in benchmarks/results/: GPU tests, precision sweeps of
-# both recipes and the step benchmark. Run from the repo root on a CUDA machine with the
-# project importable (pip install -e . or PYTHONPATH=.) and FSDD_ROOT set.
-# Time limits (seconds) and sizes come from the environment so a short lease can run it.
+# Everything measured on a GPU, in one command that fits a short lease (~14 min on an H100):
+#   1. bench_m     step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
+#                  fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
+#   2. sweep       experiment=gpu_asr training for bf16, fp32, fp16: test WER after the same steps
+#   3. bench_small step benchmark of the default small recipe with fast_path=cuda_graphs,
+#                  and without it (bench_small_eager)
+#   4. gpu_tests   pytest -m gpu
+# Each part runs under its own time limit inside one deadline; what a part finished is
+# kept. Run from the repo root with the project importable (pip install -e . or
+# PYTHONPATH=.) and FSDD_ROOT set; the parts write into $WORK; $OUT
+# keeps a summary and a tarball of $WORK without checkpoints and event files.
+# The sizes come from the environment so that a CPU dry run (DEVICE=cpu and tiny *_EXTRA
+# overrides) checks the whole script in minutes.
 set -u
-OUT=${OUT:-benchmarks/out}
-EPOCHS_ASR=${EPOCHS_ASR:-30}     # epochs of each ASR run
-EPOCHS_SPK=${EPOCHS_SPK:-15}     # epochs of each speaker-ID run (0: skip)
-RUN_LIMIT=${RUN_LIMIT:-85}       # time limit of one training run
-BENCH_STEPS=${BENCH_STEPS:-30}   # timed steps per benchmark measurement
-TEST_LIMIT=${TEST_LIMIT:-70}     # time limit of the GPU tests
-BENCH_LIMIT=${BENCH_LIMIT:-150}  # time limit of the step benchmark
-PROFILE_STEPS=${PROFILE_STEPS:-3}  # torch.profiler summary of N steps per mode (0: off)
-COMPILE_LIMIT=${COMPILE_LIMIT:-0}  # > 0: also benchmark trainer.compile=true within this limit
-mkdir -p "$OUT"
+OUT=${OUT:-benchmarks/out}         # what to keep: parts.txt, summary.md, results_*.tgz
+WORK=${WORK:-$OUT}                 # where the parts write (checkpoints, logs, tables)
+DEVICE=${DEVICE:-cuda}
+DEADLINE=${DEADLINE:-840}          # seconds for the whole script
+BENCH_STEPS=${BENCH_STEPS:-20}     # timed steps per benchmark row
+M_BATCH=${M_BATCH:-96}             # synthetic batch of the Conformer-M benchmark (x 4 s)
+BENCH_UTTS=${BENCH_UTTS:-3000}     # generated training utterances behind the benchmark's real batches
+TRAIN_UTTS=${TRAIN_UTTS:-20000}    # generated training utterances of the sweep (~14 h)
+TRAIN_BATCH=${TRAIN_BATCH:-100}    # data.max_batch_seconds of the sweep (x 2 on CUDA)
+TRAIN_EPOCHS=${TRAIN_EPOCHS:-2}    # epochs of each sweep run
+M_EXTRA=${M_EXTRA:-}               # extra overrides for parts 1-2 (dry runs: a tiny model)
+SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for part 3
+# the parts to run (a lease's commands are limited to 10 minutes: split the list over two)
+PARTS=${PARTS:-"bench_m sweep_bf16 sweep_fp32 sweep_fp16 bench_small bench_small_eager gpu_tests"}
+mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-date -u +%Y-%m-%dT%H:%M:%SZ >> "$OUT/gpu.txt"
-{ timeout "$TEST_LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -15; } > "$OUT/gpu_tests.txt"
-# One precision per invocation (each with its own time limit) into one sweep folder;
-# summarize_sweep below tabulates all of them, even if one was cut short.
-for p in fp32 bf16 fp16; do
-  timeout "$RUN_LIMIT" python3 recipes/train.py -m precision=$p device=cuda \
-    trainer.epochs="$EPOCHS_ASR" trainer.noprogressbar=true hydra.sweep.dir="$OUT/sweep_asr" \
-    >> "$OUT/sweep_asr.log" 2>&1
+START=$SECONDS
+left() { echo $((DEADLINE - (SECONDS - START))); }
+
+# run_part NAME LIMIT COMMAND...: run with min(LIMIT, time left); log to $WORK/NAME.log
+run_part() {
+  local name=$1 limit=$2 remaining
+  shift 2
+  [[ " $PARTS " == *" $name "* ]] || return 0
+  remaining=$(left)
+  ((limit > remaining)) && limit=$remaining
+  if ((limit < 15)); then
+    echo "$name: skipped (deadline)" | tee -a "$WORK/parts.txt"
+    return
+  fi
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  echo "$name: rc=$? in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$WORK/parts.txt"
+}
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || lscpu | head -20
+  python3 -c "import torch; print('torch', torch.__version__)"
+} > "$WORK/machine.txt"
+
+# 1. Conformer-M step benchmark
+run_part bench_m 260 python3 recipes/benchmark.py experiment=gpu_asr device="$DEVICE" \
+  benchmark.batch_size="$M_BATCH" benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" \
+  benchmark.warmup_steps=5 data.num_train="$BENCH_UTTS" data.num_buckets=4 $M_EXTRA \
+  hydra.run.dir="$WORK/bench_m"
+
+# 2. precision sweep of experiment=gpu_asr (one invocation per precision: own time limit)
+for p in bf16 fp32 fp16; do
+  run_part "sweep_$p" 100 python3 recipes/train.py -m experiment=gpu_asr precision=$p \
+    device="$DEVICE" data.num_train="$TRAIN_UTTS" data.max_batch_seconds="$TRAIN_BATCH" \
+    trainer.epochs="$TRAIN_EPOCHS" model.warmup_steps=100 trainer.noprogressbar=true \
+    $M_EXTRA hydra.sweep.dir="$WORK/sweep_gpu_asr" hydra.sweep.subdir=$p
 done
-if [ "$EPOCHS_SPK" -gt 0 ]; then
-  for p in fp32 bf16; do
-    timeout "$RUN_LIMIT" python3 recipes/train.py -m precision=$p device=cuda model=xvector \
-      trainer.epochs="$EPOCHS_SPK" trainer.noprogressbar=true hydra.sweep.dir="$OUT/sweep_spk" \
-      >> "$OUT/sweep_spk.log" 2>&1
+[ -d "$WORK/sweep_gpu_asr" ] && python3 -c "import pathlib, sys
+from amp_utils.sweep_summary import summarize_sweep; summarize_sweep(pathlib.Path(sys.argv[1]))" \
+  "$WORK/sweep_gpu_asr" >> "$WORK/summary.log" 2>&1
+
+# 3. the default small recipe, with and without the fast path
+run_part bench_small 80 python3 recipes/benchmark.py device="$DEVICE" fast_path=cuda_graphs \
+  benchmark.precisions=[fp32,bf16,fp16] benchmark.modes=[bare,brain,staged,loader] \
+  benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
+run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
+  benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader] benchmark.tf32_baseline=false \
+  benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small_eager"
+
+# 4. the GPU tests, with what time is left
+run_part gpu_tests 90 python3 -m pytest -m gpu -v -p no:cacheprovider --no-header
+
+tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=checkpoints \
+  --exclude='*.tfevents*' --exclude='results_*.tgz' -C "$WORK" . 2>/dev/null
+{
+  cat "$WORK/parts.txt"
+  for md in "$WORK"/bench_m/benchmark.md "$WORK"/sweep_gpu_asr/summary.md \
+    "$WORK"/bench_small/benchmark.md "$WORK"/bench_small_eager/benchmark.md; do
+    [ -f "$md" ] && { echo "== $md"; cat "$md"; }
   done
-fi
-python3 -c "import sys, pathlib; from amp_utils.sweep_summary import summarize_sweep as s
-[s(pathlib.Path(d)) for d in sys.argv[1:] if pathlib.Path(d).is_dir()]" \
-  "$OUT/sweep_asr" "$OUT/sweep_spk"
-timeout "$BENCH_LIMIT" python3 recipes/benchmark.py device=cuda benchmark.steps="$BENCH_STEPS" \
-  benchmark.warmup_steps=8 benchmark.profile_steps="$PROFILE_STEPS" hydra.run.dir="$OUT/bench" \
-  > "$OUT/bench.log" 2>&1
-if [ "$COMPILE_LIMIT" -gt 0 ]; then
-  timeout "$COMPILE_LIMIT" python3 recipes/benchmark.py device=cuda trainer.compile=true \
-    benchmark.steps="$BENCH_STEPS" benchmark.warmup_steps=8 benchmark.modes=[bare,brain,staged] \
-    benchmark.profile_steps="$PROFILE_STEPS" hydra.run.dir="$OUT/bench_compile" \
-    > "$OUT/bench_compile.log" 2>&1
-fi
-tar czf "$OUT/runs.tgz" --exclude=checkpoints --exclude='*.tfevents*' -C "$OUT" \
-  bench bench_compile sweep_asr sweep_spk 2>/dev/null
-echo done
+  [ -f "$WORK/gpu_tests.log" ] && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$WORK/gpu_tests.log"
+} > "$OUT/summary_$(echo $PARTS | cut -c1-12 | tr ' ' '-').md"
+cat "$OUT"/summary_*.md | tail -60
+echo "done in $((SECONDS - START)) s"

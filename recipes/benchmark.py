@@ -47,9 +47,26 @@ def benchmark(cfg: DictConfig) -> list[dict]:
         return torch.nn.ModuleDict(build_modules(run_cfg, data.speakers))
 
     out = Path(cfg.output_dir)
-    rows = run_benchmark(cfg, build, profile_dir=out, build_modules=fresh_modules)
-    timed = [r for r in rows if "skipped" not in r]
-    table = summarize(timed)
+
+    def save(rows: list[dict]) -> str:
+        """Write benchmark.md/json for the rows measured so far; returns the table."""
+        timed = [r for r in rows if "skipped" not in r]
+        table = summarize(timed)
+        notes = sorted({f"{r['mode']}: {n}" for r in timed for n in r.get("notes", [])})
+        skipped = [f"{r['mode']} {r['precision']}: {r['skipped']}" for r in rows if "skipped" in r]
+        footer = "".join(f"\n- {line}" for line in notes + skipped)
+        atomic_write_text(out / "benchmark.md", header + table + "\n" + footer + "\n")
+        atomic_write_json(
+            out / "benchmark.json",
+            {
+                "device": device_name(device),
+                "torch": torch.__version__,
+                "config": OmegaConf.to_container(cfg, resolve=True),
+                "rows": rows,
+            },
+        )
+        return table
+
     t = cfg.trainer
     header = (
         f"device: {device_name(device)}; torch {torch.__version__}; model {cfg.model.name}; "
@@ -59,21 +76,8 @@ def benchmark(cfg: DictConfig) -> list[dict]:
         + (f" ({t.compile_mode}, regions={t.compile_regions})" if t.compile else "")
         + "\n\n"
     )
-    notes = sorted({f"{r['mode']}: {n}" for r in timed for n in r.get("notes", [])})
-    skipped = [f"{r['mode']} {r['precision']}: {r['skipped']}" for r in rows if "skipped" in r]
-    footer = "".join(f"\n- {line}" for line in notes + skipped)
-    atomic_write_text(out / "benchmark.md", header + table + "\n" + footer + "\n")
-    atomic_write_json(
-        out / "benchmark.json",
-        {
-            "device": device_name(device),
-            "torch": torch.__version__,
-            "config": OmegaConf.to_container(cfg.benchmark),
-            "compile": cfg.trainer.compile,
-            "model": cfg.model.name,
-            "rows": rows,
-        },
-    )
+    rows = run_benchmark(cfg, build, profile_dir=out, build_modules=fresh_modules, on_progress=save)
+    table = save(rows)
     print(header + table)
     return rows
 

@@ -333,12 +333,15 @@ def run_benchmark(
     build: Callable[[DictConfig], tuple[AudioBrain, Any]],
     profile_dir: Path | None = None,
     build_modules: Callable[[DictConfig], torch.nn.ModuleDict] | None = None,
+    on_progress: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list:
     """Time every (precision, mode) of ``cfg.benchmark``; ``build`` makes brain + loader.
 
     ``build_modules`` (a fresh, eager copy of the recipe's modules) enables FLOP counts
     and the peer loops. With ``cfg.benchmark.profile_steps > 0`` and ``profile_dir``,
     also writes ``profile_<mode>_<precision>.txt`` there for every timed mode.
+    ``on_progress(rows)`` is called after each precision (e.g. to save what is measured
+    so far, should the run be cut short).
     """
     rows = []
     variants = [(p, False) for p in cfg.benchmark.precisions]
@@ -379,6 +382,8 @@ def run_benchmark(
                     staged = staged_batches(loader, warmup + steps, brain.device)
                     extra_warmup = shapes + shapes  # first sight compiles, second captures
                 batches = cycle(staged) if mode == "staged" else loader_batches(loader)
+            elif precision not in cfg.benchmark.peer_precisions or tf32:
+                continue
             else:
                 row = _peer_row(mode, precision, tf32, cfg, brain, build_modules, batch, flops)
                 rows.append(row)
@@ -394,9 +399,16 @@ def run_benchmark(
                 stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
             rows.append(_row(mode, precision, tf32, stats, flops, batch, brain.device))
         del brain, loader
+        if on_progress is not None:
+            on_progress(_ordered(rows))
         torch._dynamo.reset()  # frees compiled graphs and their CUDA-graph memory pools
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    return _ordered(rows)
+
+
+def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Timed rows first, then the skipped ones."""
     return [r for r in rows if "skipped" not in r] + [r for r in rows if "skipped" in r]
 
 

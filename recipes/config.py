@@ -18,6 +18,7 @@ from amp_utils.precision import AUTO, DEVICE_CHOICES
 
 TASKS = ("asr", "speaker")
 MODELS = {"conformer_ctc": "asr", "conformer_ctc_m": "asr", "xvector": "speaker"}
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -86,6 +87,7 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
     _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
+    _choice(cfg, "trainer.compile_backend", COMPILE_BACKENDS)
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")

@@ -177,6 +177,9 @@ def build_data(
             drop_uneven=split == "train",
             pad_to_buckets=data_cfg.pad_to_buckets,
             pad_quantum=PAD_QUANTUM_SAMPLES / data_cfg.sample_rate,
+            # fixed shapes: training drops each bucket's partial batch (other utterances
+            # every epoch), which halves the shapes to compile and capture
+            drop_last=split == "train" and data_cfg.pad_to_buckets,
         )
         collate = (
             PadToBuckets(sampler.bucket_edges(), data_cfg.sample_rate)
