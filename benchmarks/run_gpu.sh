@@ -60,17 +60,6 @@ run_part bench_m 260 python3 recipes/benchmark.py experiment=gpu_asr device="$DE
   benchmark.warmup_steps=5 data.num_train="$BENCH_UTTS" data.num_buckets=4 $M_EXTRA \
   hydra.run.dir="$WORK/bench_m"
 
-# 2. precision sweep of experiment=gpu_asr (one invocation per precision: own time limit)
-for p in bf16 fp32 fp16; do
-  run_part "sweep_$p" 100 python3 recipes/train.py -m experiment=gpu_asr precision=$p \
-    device="$DEVICE" data.num_train="$TRAIN_UTTS" data.max_batch_seconds="$TRAIN_BATCH" \
-    trainer.epochs="$TRAIN_EPOCHS" model.warmup_steps=100 trainer.noprogressbar=true \
-    $M_EXTRA hydra.sweep.dir="$WORK/sweep_gpu_asr" hydra.sweep.subdir=$p
-done
-[ -d "$WORK/sweep_gpu_asr" ] && python3 -c "import pathlib, sys
-from amp_utils.sweep_summary import summarize_sweep; summarize_sweep(pathlib.Path(sys.argv[1]))" \
-  "$WORK/sweep_gpu_asr" >> "$WORK/summary.log" 2>&1
-
 # 3. the default small recipe, with and without the fast path
 run_part bench_small 80 python3 recipes/benchmark.py device="$DEVICE" fast_path=cuda_graphs \
   benchmark.precisions=[fp32,bf16,fp16] benchmark.modes=[bare,brain,staged,loader] \
@@ -81,6 +70,17 @@ run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
 
 # 4. the GPU tests, with what time is left
 run_part gpu_tests 90 python3 -m pytest -m gpu -v -p no:cacheprovider --no-header
+
+# 2. precision sweep of experiment=gpu_asr (one invocation per precision: own time limit)
+for p in bf16 fp32 fp16; do
+  run_part "sweep_$p" 120 python3 recipes/train.py -m experiment=gpu_asr precision=$p \
+    device="$DEVICE" data.num_train="$TRAIN_UTTS" data.max_batch_seconds="$TRAIN_BATCH" \
+    trainer.epochs="$TRAIN_EPOCHS" model.warmup_steps=100 trainer.noprogressbar=true \
+    $M_EXTRA hydra.sweep.dir="$WORK/sweep_gpu_asr" hydra.sweep.subdir=$p
+done
+[ -d "$WORK/sweep_gpu_asr" ] && python3 -c "import pathlib, sys
+from amp_utils.sweep_summary import summarize_sweep; summarize_sweep(pathlib.Path(sys.argv[1]))" \
+  "$WORK/sweep_gpu_asr" >> "$WORK/summary.log" 2>&1
 
 tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=checkpoints \
   --exclude='*.tfevents*' --exclude='results_*.tgz' -C "$WORK" . 2>/dev/null

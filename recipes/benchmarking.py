@@ -196,6 +196,9 @@ class FlopCounter:
     def __call__(self, batch: AudioBatch) -> float:
         key = tuple(batch.wavs.shape)
         if key not in self.cache:
+            # Lengths on the device: under a dispatch mode, ctc_loss rejects host lengths
+            # next to CUDA tensors (the CTC's own FLOPs are negligible either way).
+            batch = replace(batch, host=None)
             with FlopCounterMode(display=False) as counter:
                 self.forward_loss(self.modules, batch).backward()
             self.modules.zero_grad(set_to_none=True)
