@@ -69,7 +69,7 @@ run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
   benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small_eager"
 
 # 4. the GPU tests, with what time is left
-run_part gpu_tests 90 python3 -m pytest -m gpu -v -p no:cacheprovider --no-header
+run_part gpu_tests 130 python3 -m pytest -m gpu -v -p no:cacheprovider --no-header
 
 # 2. precision sweep of experiment=gpu_asr (one invocation per precision: own time limit)
 for p in bf16 fp32 fp16; do
