@@ -12,6 +12,7 @@ import csv
 from pathlib import Path
 
 import pytest
+
 submitit = pytest.importorskip("submitit")  # a core dependency; absent on bare GPU hosts
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
