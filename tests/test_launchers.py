@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-submitit = pytest.importorskip("submitit")  # a core dependency; absent on bare GPU hosts
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
@@ -21,6 +20,8 @@ from hydra.utils import instantiate
 from recipes.config import register_resolvers
 from tests.recipe_helpers import CONF_DIR, FAST, run_cli
 from tests.test_recipes import prepared_digits  # noqa: F401 - session fixture
+
+submitit = pytest.importorskip("submitit")  # a core dependency; absent on bare GPU hosts
 
 
 def summary_rows(sweep: Path) -> list[dict[str, str]]:
