@@ -25,6 +25,8 @@ TRAIN_BATCH=${TRAIN_BATCH:-100}    # data.max_batch_seconds of the sweep (x 2 on
 TRAIN_EPOCHS=${TRAIN_EPOCHS:-2}    # epochs of each sweep run
 M_EXTRA=${M_EXTRA:-}               # extra overrides for parts 1-2 (dry runs: a tiny model)
 SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for part 3
+SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of part 3
+SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of part 3
 # the parts to run (a lease's commands are limited to 10 minutes: split the list over two)
 PARTS=${PARTS:-"bench_m sweep_bf16 sweep_fp32 sweep_fp16 bench_small bench_small_eager gpu_tests"}
 mkdir -p "$OUT" "$WORK"
@@ -62,7 +64,7 @@ run_part bench_m 260 python3 recipes/benchmark.py experiment=gpu_asr device="$DE
 
 # 3. the default small recipe, with and without the fast path
 run_part bench_small 80 python3 recipes/benchmark.py device="$DEVICE" fast_path=cuda_graphs \
-  benchmark.precisions=[fp32,bf16,fp16] benchmark.modes=[bare,brain,staged,loader] \
+  benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
   benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
 run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
   benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader] benchmark.tf32_baseline=false \

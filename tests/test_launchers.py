@@ -12,7 +12,6 @@ import csv
 from pathlib import Path
 
 import pytest
-
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
