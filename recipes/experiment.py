@@ -267,7 +267,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             },
             "peak_memory_mb": brain.peak_memory_mb(),
             "peak_memory_kind": (
-                "cuda_max_allocated" if brain.device.type == "cuda" else "process_rss"
+                "cuda_max_reserved" if brain.device.type == "cuda" else "process_rss"
             ),
             "wall_time_s": time.time() - start,
             "epochs": cfg.trainer.epochs,
