@@ -608,23 +608,27 @@ class Brain:
         self.step = skip
         if skip == 0:
             self.avg_train_loss, self._avg_count = 0.0, 0
+        # The bar counts the whole epoch and starts at the resume position: a sampler that
+        # skips leaves the finished batches out of len(), else they are skipped here.
         total = len(train_set) if hasattr(train_set, "__len__") else None
+        if total is not None and skipped_by_sampler:
+            total += skip
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
         self._epoch_start = time.perf_counter()
+        batches = iter(train_set)
+        if skip and not skipped_by_sampler:
+            for _ in range(skip):
+                next(batches)
         with tqdm(
-            train_set,
+            batches,
             initial=skip,
             total=total,
             dynamic_ncols=True,
             disable=not enable,
             desc=f"epoch {epoch} train",
         ) as bar:
-            batches = iter(bar)
-            if skip and not skipped_by_sampler:
-                for _ in range(skip):
-                    next(batches)
-            for batch in batches:
+            for batch in bar:
                 if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
                     break
                 utterances, audio_s = self.batch_stats(batch)
