@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from amp_utils import Checkpointer
+from amp_utils.checkpoint import read_state
 from tests.recipe_helpers import MANIFEST_8K, REPO_ROOT, recipe_command, run_command
 
 SEED = int(os.environ.get("KILL_RESUME_SEED", random.SystemRandom().randrange(10**6)))
@@ -164,7 +165,7 @@ def run_with_kills(scenario: Scenario, manifests: dict[str, Path], run_dir: Path
         readable = Checkpointer(run_dir / "checkpoints").list_checkpoints()
         assert [c.path for c in readable] == folders
         for found in readable:
-            torch.load(found.path / "state.pt", weights_only=False)
+            read_state(found.path / "state.pt")
     result = run_command(command(scenario, manifests, run_dir), env)
     assert result.returncode == 0, result.stderr[-3000:]
     return (run_dir / "train.log").read_text()
@@ -173,7 +174,7 @@ def run_with_kills(scenario: Scenario, manifests: dict[str, Path], run_dir: Path
 def final_state(run_dir: Path) -> dict:
     """The state of the run's newest checkpoint (the end of its last epoch)."""
     latest = Checkpointer(run_dir / "checkpoints").find_checkpoint()
-    return torch.load(latest.path / "state.pt", weights_only=False)["state"]
+    return read_state(latest.path / "state.pt")["state"]
 
 
 def kill_resume_check(scenario: Scenario, tmp_path: Path, prepared: Path) -> None:

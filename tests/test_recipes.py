@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from amp_utils import Checkpointer
+from amp_utils.checkpoint import read_state
 from data.fsdd import prepare_fsdd_digits
 from recipes.config import validate_config
 from recipes.experiment import train
@@ -89,7 +89,7 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert "torch" in (run / "env.txt").read_text()
     ckpts = Checkpointer(run / "checkpoints").list_checkpoints()
     assert ckpts and all("CER" in c.meta for c in ckpts)
-    state = torch.load(ckpts[-1].path / "state.pt", weights_only=False)["state"]
+    state = read_state(ckpts[-1].path / "state.pt")["state"]
     assert "module.model" in state and "optimizer" in state
     found = tags(run / "tb")
     for tag in (
