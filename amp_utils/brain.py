@@ -221,6 +221,7 @@ class Brain:
         self._epoch_counter: Any = None
         self._stop_signal: int | None = None
         self._last_ckpt_time = time.time()
+        self.evaluated_checkpoint: Checkpoint | None = None  # what the last evaluate loaded
         self._compiled = False
         self._ddp_modules: list[DistributedDataParallel] = []
 
@@ -697,12 +698,12 @@ class Brain:
         """Load the best checkpoint by ``max_key``/``min_key`` (else the latest) before testing.
 
         The run's own counters (steps, throughput) are kept: the best checkpoint may be
-        older than the end of training.
+        older than the end of training. The checkpoint loaded is ``evaluated_checkpoint``.
         """
         if self.checkpointer is None:
             return
         counters = (self.optimizer_step, self.skipped_steps, dict(self.train_stats))
-        self.checkpointer.recover_if_possible(
+        self.evaluated_checkpoint = self.checkpointer.recover_if_possible(
             max_key=max_key, min_key=min_key, map_location=self.device
         )
         self.optimizer_step, self.skipped_steps, self.train_stats = counters
@@ -802,6 +803,9 @@ class Brain:
 
     def state_dict(self) -> dict[str, Any]:
         """Loop position, counters and RNG states, saved with every checkpoint."""
+        train_stats = dict(self.train_stats)
+        if self._resume_step > 0:  # mid-epoch: the epoch's training time so far counts too
+            train_stats["time_s"] += time.perf_counter() - self._epoch_start
         state = {
             "step": self._resume_step,
             "world_size": self.distributed.world_size,
@@ -809,7 +813,7 @@ class Brain:
             "skipped_steps": self.skipped_steps,
             "avg_train_loss": self.avg_train_loss,
             "precision": self.amp.name,
-            "train_stats": dict(self.train_stats),
+            "train_stats": train_stats,
             "rng": {
                 "python": random.getstate(),
                 "torch": torch.get_rng_state(),

@@ -35,6 +35,17 @@ class AudioBrain(Brain):
     metric_mode = "min"
     metric_counts: tuple[str, ...] = ()
 
+    def on_fit_start(self) -> None:
+        """Set up and resume (the Brain's), then call ``hparams.on_fit_ready`` if given.
+
+        The recipe writes its run record there: the data are read and the checkpoint (if
+        any) loaded, so the run is going ahead.
+        """
+        super().on_fit_start()
+        on_fit_ready = getattr(self.hparams, "on_fit_ready", None)
+        if on_fit_ready is not None:
+            on_fit_ready()
+
     def fit_batch(self, batch: AudioBatch) -> torch.Tensor:
         return super().fit_batch(batch.to(self.device, non_blocking=True))
 
@@ -95,7 +106,12 @@ class AudioBrain(Brain):
         if self.checkpointer is not None:
             keys = {"min_keys" if self.metric_mode == "min" else "max_keys": [self.metric_key]}
             self.checkpointer.save_and_keep_only(
-                meta={**metrics, "epoch": epoch},
+                meta={
+                    **metrics,  # top level: what best-checkpoint selection reads
+                    "epoch": epoch,
+                    "optimizer_step": self.optimizer_step,
+                    "valid_metrics": metrics,
+                },
                 num_to_keep=self.hparams.keep_checkpoints,
                 **keys,
             )
@@ -116,6 +132,24 @@ class AudioBrain(Brain):
         """Evaluate with the best checkpoint by the recipe's metric; returns test metrics."""
         self.evaluate(test_loader, **self.best_checkpoint_key())
         return self.test_metrics
+
+    def tested_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint the last test used: epoch, optimizer step, validation metrics."""
+        ckpt = self.evaluated_checkpoint
+        if ckpt is None:
+            return None
+        meta = ckpt.meta
+        valid = meta.get("valid_metrics") or {
+            k: meta[k] for k in ("loss", self.metric_key) if k in meta
+        }
+        best = "lowest" if self.metric_mode == "min" else "highest"
+        return {
+            "checkpoint": ckpt.path.name,
+            "selected_by": f"{best} validation {self.metric_key}",
+            "epoch": meta.get("epoch"),
+            "optimizer_step": meta.get("optimizer_step"),
+            "valid_metrics": valid,
+        }
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from amp_utils.distributed import DistributedInfo, run_on_main
@@ -41,6 +41,26 @@ class DataBundle:
     tokenizer: CharTokenizer | None
     speakers: tuple[str, ...]
     skipped_files: list[tuple[str, str]] = field(default_factory=list)
+    record: dict = field(default_factory=dict)  # what was trained on, for results.json
+
+
+def data_record(
+    data_cfg: DictConfig, manifests: dict[str, Path], utterances: dict[str, list[Utterance]]
+) -> dict:
+    """What a run trains and is tested on: data root, manifests, utterances and hours."""
+    root = OmegaConf.select(data_cfg, "root")
+    return {
+        "name": str(data_cfg.name),
+        "root": str(Path(root).resolve()) if root is not None else None,
+        "manifests": {split: str(Path(path).resolve()) for split, path in manifests.items()},
+        "splits": {
+            split: {
+                "utterances": len(utts),
+                "hours": round(sum(u.duration for u in utts) / 3600, 4),
+            }
+            for split, utts in utterances.items()
+        },
+    }
 
 
 def prepare_manifests(data_cfg: DictConfig) -> dict[str, Path]:
@@ -98,10 +118,14 @@ def build_data(
     """
     data_cfg = cfg.data
     dist_info = dist_info or DistributedInfo()
+
     # Rank 0 prepares and checks the data once; the others get its utterance lists.
-    utterances, skipped = run_on_main(
-        lambda: load_utterances(prepare_manifests(data_cfg), data_cfg.skip_bad_files)
-    )
+    def prepare() -> tuple[dict[str, list[Utterance]], list[tuple[str, str]], dict]:
+        manifests = prepare_manifests(data_cfg)
+        utterances, skipped = load_utterances(manifests, data_cfg.skip_bad_files)
+        return utterances, skipped, data_record(data_cfg, manifests, utterances)
+
+    utterances, skipped, record = run_on_main(prepare)
     tokenizer = CharTokenizer() if cfg.model.task == "asr" else None
     if cfg.model.task == "speaker":  # closed set: evaluation speakers must be trained on
         speakers = sorted({utt.speaker for utt in utterances["train"]})
@@ -141,4 +165,5 @@ def build_data(
         tokenizer=tokenizer,
         speakers=tuple(speakers),
         skipped_files=skipped,
+        record=record,
     )
