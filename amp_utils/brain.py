@@ -584,6 +584,11 @@ class Brain:
                 if self.run_opts.debug and epochs_run >= self.run_opts.debug_epochs:
                     break
 
+    def epoch_label(self, epoch: int | None) -> str:
+        """``"3/30"``: the epoch and the number of epochs (when the epoch counter has one)."""
+        limit = getattr(self._epoch_counter, "limit", None)
+        return f"{epoch}/{limit}" if limit is not None and epoch is not None else str(epoch)
+
     def _progressbar(self, requested: bool | None) -> bool:
         """Whether to show progress bars: as requested, and only on rank 0."""
         enable = (not self.run_opts.noprogressbar) if requested is None else requested
@@ -627,7 +632,7 @@ class Brain:
             total=total,
             dynamic_ncols=True,
             disable=not enable,
-            desc=f"epoch {epoch} train",
+            desc=f"epoch {self.epoch_label(epoch)} train",
         ) as bar:
             for batch in bar:
                 if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
@@ -681,7 +686,7 @@ class Brain:
         self.modules.eval()
         self.step = 0
         avg_loss = 0.0
-        desc = f"epoch {epoch} {stage.name.lower()}" if epoch else stage.name.lower()
+        desc = f"epoch {self.epoch_label(epoch)} {stage.name.lower()}" if epoch else "test"
         with torch.no_grad():
             for batch in tqdm(loader, dynamic_ncols=True, disable=not enable, desc=desc):
                 if self.run_opts.debug and self.step >= self.run_opts.debug_batches:

@@ -85,16 +85,16 @@ class AudioBrain(Brain):
         metrics = {"loss": stage_loss, **self.stage_metrics(stage)}
         if stage == Stage.TEST:
             self.test_metrics = metrics
-            logger.info("test: %s", _fmt(metrics))
+            logger.info("test: %s", format_metrics(metrics))
             return
         self.valid_metrics = metrics
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
         logger.info(
             "epoch %s: lr %.2e, train loss %.4f, valid %s",
-            epoch,
+            self.epoch_label(epoch),
             lr,
             getattr(self, "train_loss", float("nan")),
-            _fmt(metrics),
+            format_metrics(metrics),
         )
         if self.tensorboard is not None:
             scalars = {"epoch/train_loss": getattr(self, "train_loss", float("nan"))}
@@ -152,5 +152,11 @@ class AudioBrain(Brain):
         }
 
 
-def _fmt(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+PERCENT_METRICS = frozenset({"CER", "WER", "accuracy"})  # metrics in percent
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """``loss 0.1234, CER 3.58 %``: each metric with its unit."""
+    return ", ".join(
+        f"{k} {v:.2f} %" if k in PERCENT_METRICS else f"{k} {v:.4g}" for k, v in metrics.items()
+    )

@@ -35,12 +35,79 @@ class ConfigError(ValueError):
     """A config value is invalid; the message names the key and the valid choices."""
 
 
+#: Keys shown by ``--help`` (with the comment of their config file line).
+HELP_KEYS = (
+    ("trainer", "epochs"),
+    ("trainer", "debug"),
+    ("trainer", "ckpt_interval_minutes"),
+    ("trainer", "grad_accumulation_factor"),
+    ("trainer", "compile"),
+    ("data", "root"),
+    ("data", "max_batch_seconds"),
+    ("model", "lr"),
+    ("precision", "eval_precision"),
+    ("device", "num_workers"),
+)
+HELP_EXAMPLES = (
+    "python recipes/train.py                              # ASR on FSDD digits, fp32",
+    "python recipes/train.py precision=bf16 device=cuda   # bf16 autocast on the GPU",
+    "python recipes/train.py model=xvector trainer.epochs=5",
+    "python recipes/train.py -m precision=fp32,fp16,bf16  # sweep + comparison table",
+    "python recipes/train.py model=xvector --cfg job --resolve  # show the config, run nothing",
+)
+
+
 def register_resolvers() -> None:
-    """Register ``${run_name:...}``: the run's overrides as a folder name, or "default"."""
+    """Register ``${run_name:...}`` (the overrides as a folder name) and ``${config_help:}``."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver(
             "run_name", lambda overrides: (overrides or "default").replace("/", "_")
         )
+    if not OmegaConf.has_resolver("config_help"):
+        # Hydra's help template goes through string.Template: "$" must be doubled.
+        OmegaConf.register_new_resolver("config_help", lambda: config_help().replace("$", "$$"))
+
+
+def _comments(path: Path) -> tuple[str, dict[str, str]]:
+    """A config file's first comment line and the comment of each top-level key."""
+    lines = path.read_text().splitlines()
+    title = lines[0].lstrip("# ").strip() if lines and lines[0].startswith("#") else ""
+    keys = {}
+    for line in lines:
+        if line[:1].isalpha() and "#" in line and ":" in line.split("#")[0]:
+            keys[line.split(":", 1)[0].strip()] = line.split("#", 1)[1].strip()
+    return title, keys
+
+
+def config_help() -> str:
+    """``train.py --help``: each group's options with their descriptions, keys, examples."""
+    defaults = {}
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
+        if isinstance(entry, Mapping):
+            defaults.update({str(k): str(v) for k, v in entry.items()})
+    out = [
+        "Train a speech model (Conformer-CTC ASR or x-vector speaker ID) on FSDD under the",
+        "precision you pick (fp32, or fp16/bf16 torch.autocast). Re-running the same command",
+        "resumes the run; a finished run is left as it is.",
+        "",
+        "Usage: python recipes/train.py [group=option ...] [key=value ...]  (-m: sweep)",
+        "",
+        "Config groups (group=option; * = default):",
+    ]
+    for group in GROUPS:
+        out.append(f"  {group}:")
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            mark = "*" if defaults.get(group) == path.stem else " "
+            out.append(f"   {mark}{path.stem:<14} {_comments(path)[0]}")
+    out += ["", "Most used keys (key=value; every key: --cfg job):"]
+    for group, key in HELP_KEYS:
+        option = defaults.get(group, "default")
+        comment = _comments(CONF_DIR / group / f"{option}.yaml")[1].get(key, "")
+        out.append(f"  {f'{group}.{key}':<33} {comment}")
+    out.append(f"  {'hydra.run.dir':<33} the run folder (default: outputs/<data>/<model>/...)")
+    out += ["", "Examples:", *(f"  {example}" for example in HELP_EXAMPLES)]
+    out += ["", "Hydra's own options: --hydra-help"]
+    return "\n".join(out)
 
 
 def _choice(cfg: DictConfig, key: str, choices: Iterable[str]) -> None:

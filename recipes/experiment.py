@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import platform
 import random
 import time
 from pathlib import Path
@@ -230,11 +231,55 @@ def preflight(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:
         check_precision_supported(AMPConfig.from_name(name), device)
 
 
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def device_name(device: torch.device) -> str:
-    """Human-readable name of the device (GPU model, or CPU thread count)."""
+    """Human-readable name of the device (GPU model, or CPU model and thread count)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
+    model = _cpu_model()
+    threads = f"{torch.get_num_threads()} threads"
+    return f"cpu ({model}, {threads})" if model else f"cpu ({threads})"
+
+
+def log_header(cfg: DictConfig, brain: AudioBrain, data: DataBundle, out_dir: Path) -> None:
+    """What the run is about to do: device, precision, data, model, plan, folder."""
+    record = data.record
+    splits = ", ".join(
+        f"{split} {s['utterances']} utterances ({s['hours']:.2f} h)"
+        for split, s in record.get("splits", {}).items()
+    )
+    source = record.get("root") or ", ".join(record.get("manifests", {}).values())
+    params = sum(p.numel() for p in brain.modules.model.parameters())
+    opts = brain.run_opts
+    epochs = opts.debug_epochs if opts.debug else cfg.trainer.epochs
+    batches = min(len(data.train), opts.debug_batches) if opts.debug else len(data.train)
+    steps = math.ceil(batches / opts.grad_accumulation_factor)
+    done = brain.optimizer_step
+    logger.info(
+        "run folder: %s (%s)", out_dir, f"resumed at optimizer step {done}" if done else "new"
+    )
+    logger.info("device: %s", device_name(brain.device))
+    logger.info(
+        "precision: %s training, %s evaluation", cfg.precision.name, cfg.precision.eval_precision
+    )
+    logger.info("data: %s from %s: %s", cfg.data.name, source, splits)
+    logger.info("model: %s, %.2f M parameters", cfg.model.name, params / 1e6)
+    logger.info(
+        "plan: %d epochs%s x ~%d optimizer steps = ~%d steps",
+        epochs,
+        " (debug)" if opts.debug else "",
+        steps,
+        epochs * steps,
+    )
 
 
 def ensure_writable(out_dir: Path) -> Path:
@@ -305,6 +350,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         clock.resumed()
         folder.accept(cfg, write_files=main)
         if main:
+            log_header(cfg, brain, data, out_dir)
             write_env_file(out_dir / "env.txt")
             atomic_write_json(
                 out_dir / LABELS_FILE, {"task": cfg.model.task, "speakers": list(data.speakers)}

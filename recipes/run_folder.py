@@ -56,7 +56,9 @@ def finished_results(run_dir: Path, epochs: int) -> dict[str, Any] | None:
 
 def finished_message(run_dir: Path, results: dict[str, Any]) -> str:
     """One line: the run has finished, where its results are, how to train it further."""
-    metrics = ", ".join(f"{k} {v:.4g}" for k, v in results.get("test_metrics", {}).items())
+    from recipes.audio_brain import format_metrics
+
+    metrics = format_metrics(results.get("test_metrics", {}))
     completed = results.get("epochs_completed", results.get("epochs"))
     return (
         f"This run has finished its {completed} epochs already (test: {metrics}); its "

@@ -241,3 +241,18 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, manifests):
         train(manifest_cfg(tmp_path, paths, "model=xvector", "trainer.epochs=2"))
     assert [(c / "state.pt").read_bytes() for c in ckpts] == before  # nothing touched
     shutil.rmtree(tmp_path / "run")
+
+
+def test_help_lists_every_option_with_its_description_keys_and_examples(fsdd_root):
+    from recipes.config import CONF_DIR, GROUPS
+
+    result = run_cli("train.py", ["--help"], fsdd_root, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = result.stdout
+    for group in GROUPS:
+        for option in (CONF_DIR / group).glob("*.yaml"):
+            description = option.read_text().splitlines()[0].lstrip("# ").strip()
+            assert f"{option.stem}" in text and description in text, option
+    assert "*fp32" in text and "*conformer_ctc" in text  # the defaults are marked
+    assert "trainer.epochs" in text and "training epochs" in text
+    assert "Examples:" in text and "precision=bf16 device=cuda" in text

@@ -130,7 +130,7 @@ def mid_epoch_checkpoints(run_dir: Path) -> set[str]:
 def epoch_finished(run_dir: Path, epoch: int) -> bool:
     """Whether the log (of any attempt so far) has the end-of-epoch line of ``epoch``."""
     log = run_dir / "train.log"
-    return epoch == 0 or (log.exists() and f"epoch {epoch}: lr" in log.read_text())
+    return epoch == 0 or (log.exists() and f"epoch {epoch}/{EPOCHS}: lr" in log.read_text())
 
 
 def kill_during(proc: subprocess.Popen, run_dir: Path, epoch: int, seen: int, delay: float):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -371,6 +372,32 @@ def test_transcribe_prints_a_transcript_per_file(cli_run, fsdd_recordings, preci
     rows = [line.split("\t") for line in result.stdout.rstrip("\n").split("\n")]
     assert [row[0] for row in rows] == [str(w) for w in wavs]
     assert all(set(row[1]) <= set("abcdefghijklmnopqrstuvwxyz' ") for row in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_transcribe_errors_give_its_own_flags(cli_run, fsdd_recordings):
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    result = run_cli("transcribe.py", [str(cli_run), wav, "--device", "cuda"], fsdd_recordings)
+    assert result.returncode == 2 and result.stderr.count("error:") == 1
+    assert "--device cpu" in result.stderr and "device=cpu" not in result.stderr
+
+
+def test_transcribe_refuses_a_checkpoint_that_would_run_code(cli_run, fsdd_recordings, tmp_path):
+    from tests.test_checkpoint import plant_code_running_checkpoint
+
+    run = tmp_path / "shared_run"  # a run folder someone passed around
+    shutil.copytree(cli_run, run)
+    marker = tmp_path / "pwned"
+    best = Checkpointer(run / "checkpoints").find_checkpoint(min_key="CER")
+    for ckpt in Checkpointer(run / "checkpoints").list_checkpoints():
+        if ckpt.path != best.path:
+            shutil.rmtree(ckpt.path)  # the planted one is then the one transcribe loads
+    plant_code_running_checkpoint(run / "checkpoints", marker)
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    result = run_cli("transcribe.py", [str(run), wav, "--device", "cpu"], fsdd_recordings)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "error: Refused to load" in result.stderr and "weights_only" in result.stderr
+    assert not marker.exists()
 
 
 def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings):
