@@ -18,6 +18,7 @@ import math
 import platform
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,7 @@ def build_brain(
     data: DataBundle,
     out_dir: Path | None,
     tensorboard: TensorBoardLogger | None,
-    on_fit_ready: Any = None,
+    on_fit_ready: Callable[[], None] | None = None,
 ) -> AudioBrain:
     """Model, features, optimizer, schedule and checkpointer wired into the task's Brain.
 
