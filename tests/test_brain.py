@@ -436,7 +436,7 @@ def test_resume_mid_epoch_trains_each_batch_once_and_counts_it_once(
     for p, q in zip(params_of(reference), params_of(resumed), strict=True):
         assert torch.equal(p, q)
     # The resumed epoch's bar starts at 5 of 12 and ends at 12 of 12.
-    counts = re.findall(r"epoch 2 train:[^|]*\|[^|]*\| *(\d+)/(\d+)", capsys.readouterr().err)
+    counts = re.findall(r"epoch 2/2 train:[^|]*\|[^|]*\| *(\d+)/(\d+)", capsys.readouterr().err)
     assert counts[0] == ("5", "12") and counts[-1] == ("12", "12"), counts
 
 
