@@ -81,7 +81,7 @@ class _TakenOver:
 
     run_dir: Path
     existing: Path  # the run folder itself if it existed, else its nearest existing ancestor
-    output_subdir: str  # Hydra's ``.hydra``
+    output_subdir: str | None  # Hydra's ``.hydra`` (None: Hydra was told not to write it)
     log_files: list[tuple[str, str]]  # (file name, record format) of Hydra's job log files
 
 
@@ -115,8 +115,9 @@ class RunFolderCallback(Callback):
             config.hydra.runtime.output_dir = str(run_dir)  # run_job sets the same value
             job_logging = OmegaConf.to_container(config.hydra.job_logging, resolve=True)
             log_files = _take_file_handlers(config.hydra.job_logging, job_logging)
+            subdir = config.hydra.output_subdir
             _taken_over = _TakenOver(
-                run_dir, first_existing(run_dir), str(config.hydra.output_subdir), log_files
+                run_dir, first_existing(run_dir), None if subdir is None else str(subdir), log_files
             )
             config.hydra.output_subdir = None  # RunFolder.accept writes .hydra
 
@@ -168,7 +169,7 @@ class RunFolder:
         if write_files:
             self.path.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, self.path / RESOLVED_CONFIG_FILE, resolve=True)
-            if self._taken is not None:
+            if self._taken is not None and self._taken.output_subdir is not None:
                 self._write_hydra_files(cfg)
         if self._buffer is not None:
             logging.getLogger().removeHandler(self._buffer)
