@@ -47,9 +47,9 @@ MODELS = {
         "model.ffn_dim=64",
     ],
 }
-TRIGGERS = {  # mid-epoch checkpoints every N optimizer steps, or every ~2 steps by the clock
+TRIGGERS = {  # mid-epoch checkpoints every 1-2 optimizer steps, or every 30 ms by the clock
     "steps": lambda rng: [f"trainer.ckpt_interval_steps={rng.randint(1, 2)}"],
-    "time": lambda rng: ["trainer.ckpt_interval_minutes=0.001"],
+    "time": lambda rng: ["trainer.ckpt_interval_minutes=0.0005"],
 }
 RESUMED = re.compile(r"Resumed from \S+ \(optimizer step (\d+), (\d+) batches into the epoch\)")
 
@@ -76,9 +76,12 @@ def draw(seed: int, kills: int, model: str | None = None, trigger: str | None = 
     model = model or rng.choice(sorted(MODELS))
     trigger = trigger or rng.choice(sorted(TRIGGERS))
     args = (*MODELS[model], *TRIGGERS[trigger](rng))
-    epochs = sorted(rng.randint(1, EPOCHS) for _ in range(kills))
-    # After 1-3 mid-epoch checkpoints of the epoch, plus a delay that may fall into a write.
-    moments = tuple((e, rng.randint(1, 3), rng.uniform(0.0, 0.05)) for e in epochs)
+    # At most 3 kills per epoch, each after 1-2 new mid-epoch checkpoints (at most every 2
+    # steps) plus a delay that may fall into a checkpoint write: 12 of the ~15 steps of an
+    # epoch at most, so the run cannot finish before its last kill.
+    pool = [epoch for epoch in range(1, EPOCHS + 1) for _ in range(3)]
+    epochs = sorted(rng.sample(pool, kills))
+    moments = tuple((e, rng.randint(1, 2), rng.uniform(0.0, 0.05)) for e in epochs)
     return Scenario(seed, model, trigger, args, moments)
 
 
