@@ -271,6 +271,7 @@ class Brain:
         self._epoch_counter: Any = None
         self._stop_signal: int | None = None
         self._last_ckpt_time = time.time()
+        self.evaluated_checkpoint: Checkpoint | None = None  # what the last evaluate loaded
         self._compiled = False
         self._cudagraphs = False  # compiled modules replay CUDA graphs: mark each step
         self._ddp_modules: list[DistributedDataParallel] = []
@@ -689,6 +690,11 @@ class Brain:
                 if self.run_opts.debug and epochs_run >= self.run_opts.debug_epochs:
                     break
 
+    def epoch_label(self, epoch: int | None) -> str:
+        """``"3/30"``: the epoch and the number of epochs (when the epoch counter has one)."""
+        limit = getattr(self._epoch_counter, "limit", None)
+        return f"{epoch}/{limit}" if limit is not None and epoch is not None else str(epoch)
+
     def _progressbar(self, requested: bool | None) -> bool:
         """Whether to show progress bars: as requested, and only on rank 0."""
         enable = (not self.run_opts.noprogressbar) if requested is None else requested
@@ -714,23 +720,27 @@ class Brain:
         self.step = skip
         if skip == 0:
             self.avg_train_loss, self._avg_count = 0.0, 0
+        # The bar counts the whole epoch and starts at the resume position: a sampler that
+        # skips leaves the finished batches out of len(), else they are skipped here.
         total = len(train_set) if hasattr(train_set, "__len__") else None
+        if total is not None and skipped_by_sampler:
+            total += skip
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
         self._epoch_start = time.perf_counter()
+        batches = iter(train_set)
+        if skip and not skipped_by_sampler:
+            for _ in range(skip):
+                next(batches)
         with tqdm(
-            train_set,
+            batches,
             initial=skip,
             total=total,
             dynamic_ncols=True,
             disable=not enable,
-            desc=f"epoch {epoch} train",
+            desc=f"epoch {self.epoch_label(epoch)} train",
         ) as bar:
-            batches = iter(bar)
-            if skip and not skipped_by_sampler:
-                for _ in range(skip):
-                    next(batches)
-            for batch in batches:
+            for batch in bar:
                 if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
                     break
                 utterances, audio_s = self.batch_stats(batch)
@@ -782,7 +792,7 @@ class Brain:
         self.modules.eval()
         self.step = 0
         avg_loss = 0.0
-        desc = f"epoch {epoch} {stage.name.lower()}" if epoch else stage.name.lower()
+        desc = f"epoch {self.epoch_label(epoch)} {stage.name.lower()}" if epoch else "test"
         with torch.no_grad():
             for batch in tqdm(loader, dynamic_ncols=True, disable=not enable, desc=desc):
                 if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
@@ -799,12 +809,12 @@ class Brain:
         """Load the best checkpoint by ``max_key``/``min_key`` (else the latest) before testing.
 
         The run's own counters (steps, throughput) are kept: the best checkpoint may be
-        older than the end of training.
+        older than the end of training. The checkpoint loaded is ``evaluated_checkpoint``.
         """
         if self.checkpointer is None:
             return
         counters = (self.optimizer_step, self.skipped_steps, dict(self.train_stats))
-        self.checkpointer.recover_if_possible(
+        self.evaluated_checkpoint = self.checkpointer.recover_if_possible(
             max_key=max_key, min_key=min_key, map_location=self.device
         )
         self.optimizer_step, self.skipped_steps, self.train_stats = counters
@@ -904,6 +914,9 @@ class Brain:
 
     def state_dict(self) -> dict[str, Any]:
         """Loop position, counters and RNG states, saved with every checkpoint."""
+        train_stats = dict(self.train_stats)
+        if self._resume_step > 0:  # mid-epoch: the epoch's training time so far counts too
+            train_stats["time_s"] += time.perf_counter() - self._epoch_start
         state = {
             "step": self._resume_step,
             "world_size": self.distributed.world_size,
@@ -911,7 +924,7 @@ class Brain:
             "skipped_steps": self.skipped_steps,
             "avg_train_loss": self.avg_train_loss,
             "precision": self.amp.name,
-            "train_stats": dict(self.train_stats),
+            "train_stats": train_stats,
             "rng": {
                 "python": random.getstate(),
                 "torch": torch.get_rng_state(),

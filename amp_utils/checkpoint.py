@@ -7,6 +7,12 @@ renamed into place, so a kill at any moment leaves either the old set of checkpo
 new one, never a half-written checkpoint. On load the checksum is verified; a corrupt or
 truncated checkpoint is skipped with a warning naming it, and the previous good one is used.
 
+``state.pt`` is loaded with ``torch.load(weights_only=True)``: tensors, numbers, strings and
+plain containers only (what the state dicts of modules, optimizers, schedulers, scalers and
+the loop hold, Python's RNG state included). A pickle that would import or call anything
+else (e.g. ``os.system``) is refused before it runs: run folders are passed around, and
+loading one must not execute code from it.
+
 Under DDP only rank 0 writes and deletes checkpoints; every rank waits until they are on
 disk, and every rank can load them (the run folder must be on a shared filesystem when
 the ranks span several nodes).
@@ -18,6 +24,8 @@ import hashlib
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -85,6 +93,28 @@ def _delete(path: Path) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
+def read_state(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """The payload of a ``state.pt``, loaded as weights only (no code runs).
+
+    Raises:
+        CheckpointError: one line, if the file holds anything but tensors and plain data
+            (a pickle that would import or call a Python object), or cannot be read.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))  # wording differs across versions
+        what = f"the Python object {found.group(1)}" if found else "Python objects"
+        raise CheckpointError(
+            f"Refused to load {path}: it would import {what}, and checkpoints may hold "
+            "only tensors and plain data (loaded with weights_only=True, nothing was run). "
+            "Only use run folders you trust, or delete this checkpoint."
+        ) from None
+    except Exception as err:  # noqa: BLE001 - any other error means unreadable
+        detail = " ".join(str(err).split())[:300]
+        raise CheckpointError(f"Cannot read checkpoint {path}: {detail}") from err
+
+
 def _all_finite(state: Any) -> bool:
     """Whether every floating-point tensor inside ``state`` (nested dicts/lists) is finite."""
     if isinstance(state, torch.Tensor):
@@ -113,15 +143,24 @@ class Checkpointer:
     ) -> None:
         self.checkpoints_dir = Path(checkpoints_dir)
         self.recoverables: dict[str, Recoverable] = {}
+        self.optional: set[str] = set()  # recoverables a checkpoint may lack
         self.allow_partial_load = allow_partial_load
         if recoverables:
             self.add_recoverables(recoverables)
 
-    def add_recoverable(self, name: str, obj: Recoverable) -> None:
-        """Register one object to save and restore under ``name``."""
+    def add_recoverable(self, name: str, obj: Recoverable, optional: bool = False) -> None:
+        """Register one object to save and restore under ``name``.
+
+        ``optional``: a checkpoint without state for it still loads (the object keeps its
+        own state); for state added after checkpoints were written, e.g. run accounting.
+        """
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"Recoverable {name!r} has no state_dict/load_state_dict.")
         self.recoverables[name] = obj
+        if optional:
+            self.optional.add(name)
+        else:
+            self.optional.discard(name)
 
     def add_recoverables(self, recoverables: Mapping[str, Recoverable]) -> None:
         """Register several objects at once."""
@@ -312,14 +351,9 @@ class Checkpointer:
     # ---------------------------------------------------------------- loading
     def load_checkpoint(self, ckpt: Checkpoint, map_location: Any = "cpu") -> None:
         """Restore every registered recoverable from ``ckpt``."""
-        try:
-            payload = torch.load(
-                ckpt.path / STATE_FILE, map_location=map_location, weights_only=False
-            )
-        except Exception as err:  # noqa: BLE001 - any unpickling error means unreadable
-            raise CheckpointError(f"Cannot read checkpoint {ckpt.path}: {err}") from err
+        payload = read_state(ckpt.path / STATE_FILE, map_location=map_location)
         state = payload["state"]
-        missing = sorted(set(self.recoverables) - set(state))
+        missing = sorted(set(self.recoverables) - set(state) - self.optional)
         if missing and not self.allow_partial_load:
             raise CheckpointError(
                 f"Checkpoint {ckpt.path} has no state for {missing}; it was written by a "

@@ -12,6 +12,9 @@ from torch.utils.tensorboard import SummaryWriter
 class TensorBoardLogger:
     """Thin wrapper around ``SummaryWriter`` with the calls the recipes need.
 
+    The event file is created on the first write, so a run refused before it trains
+    leaves nothing behind.
+
     Args:
         log_dir: event folder; name it after the run's overrides so that runs of a sweep
             read clearly side by side in ``tensorboard --logdir``.
@@ -19,7 +22,14 @@ class TensorBoardLogger:
 
     def __init__(self, log_dir: str | Path) -> None:
         self.log_dir = Path(log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer: SummaryWriter | None = None
+
+    @property
+    def writer(self) -> SummaryWriter:
+        """The event writer (created, with its event file, on first use)."""
+        if self._writer is None:
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
 
     def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:
         """Write each ``tag -> value`` at ``step``."""
@@ -40,6 +50,7 @@ class TensorBoardLogger:
         )
 
     def close(self) -> None:
-        """Flush and close the event file."""
-        self.writer.flush()
-        self.writer.close()
+        """Flush and close the event file (if one was written)."""
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()

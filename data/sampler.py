@@ -111,13 +111,21 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         self._cache: tuple[int, list[list[int]]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose batches the next iteration yields (seeds the shuffle)."""
+        """Select the epoch whose batches iterations yield (seeds the shuffle).
+
+        Also clears any resume position set by ``skip_batches``: it belonged to the
+        previous epoch.
+        """
         self.epoch = epoch
+        self._skip = 0
 
     def skip_batches(self, num_batches: int) -> None:
-        """Make the next iteration start at batch ``num_batches`` of the epoch (for resuming).
+        """Start the current epoch at batch ``num_batches`` (for resuming mid-epoch).
 
-        One-shot: the iteration after that starts from batch 0 again.
+        The position belongs to the epoch, not to one iteration: every iteration until the
+        next ``set_epoch`` starts there and ``len()`` counts the remaining batches. A
+        multiprocessing DataLoader may call ``__iter__`` more than once when it starts (it
+        discards the first iterator), so a one-shot skip would be lost.
         """
         if num_batches < 0:
             raise DataError(
@@ -195,9 +203,8 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         return batches[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[list[int]]:
-        skip, self._skip = self._skip, 0
-        return iter(self._rank_batches()[skip:])
+        return iter(self._rank_batches()[self._skip :])
 
     def __len__(self) -> int:
-        """Number of batches this rank yields in the current epoch (after any skip)."""
+        """Number of batches this rank yields in the current epoch (after the resume skip)."""
         return max(0, len(self._rank_batches()) - self._skip)

@@ -35,6 +35,17 @@ class AudioBrain(Brain):
     metric_mode = "min"
     metric_counts: tuple[str, ...] = ()
 
+    def on_fit_start(self) -> None:
+        """Set up and resume (the Brain's), then call ``hparams.on_fit_ready`` if given.
+
+        The recipe writes its run record there: the data are read and the checkpoint (if
+        any) loaded, so the run is going ahead.
+        """
+        super().on_fit_start()
+        on_fit_ready = getattr(self.hparams, "on_fit_ready", None)
+        if on_fit_ready is not None:
+            on_fit_ready()
+
     def fit_batch(self, batch: AudioBatch) -> torch.Tensor:
         return super().fit_batch(batch.to(self.device, non_blocking=True))
 
@@ -74,16 +85,16 @@ class AudioBrain(Brain):
         metrics = {"loss": stage_loss, **self.stage_metrics(stage)}
         if stage == Stage.TEST:
             self.test_metrics = metrics
-            logger.info("test: %s", _fmt(metrics))
+            logger.info("test: %s", format_metrics(metrics))
             return
         self.valid_metrics = metrics
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
         logger.info(
             "epoch %s: lr %.2e, train loss %.4f, valid %s",
-            epoch,
+            self.epoch_label(epoch),
             lr,
             getattr(self, "train_loss", float("nan")),
-            _fmt(metrics),
+            format_metrics(metrics),
         )
         if self.tensorboard is not None:
             scalars = {"epoch/train_loss": getattr(self, "train_loss", float("nan"))}
@@ -95,7 +106,12 @@ class AudioBrain(Brain):
         if self.checkpointer is not None:
             keys = {"min_keys" if self.metric_mode == "min" else "max_keys": [self.metric_key]}
             self.checkpointer.save_and_keep_only(
-                meta={**metrics, "epoch": epoch},
+                meta={
+                    **metrics,  # top level: what best-checkpoint selection reads
+                    "epoch": epoch,
+                    "optimizer_step": self.optimizer_step,
+                    "valid_metrics": metrics,
+                },
                 num_to_keep=self.hparams.keep_checkpoints,
                 **keys,
             )
@@ -117,6 +133,30 @@ class AudioBrain(Brain):
         self.evaluate(test_loader, **self.best_checkpoint_key())
         return self.test_metrics
 
+    def tested_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint the last test used: epoch, optimizer step, validation metrics."""
+        ckpt = self.evaluated_checkpoint
+        if ckpt is None:
+            return None
+        meta = ckpt.meta
+        valid = meta.get("valid_metrics") or {
+            k: meta[k] for k in ("loss", self.metric_key) if k in meta
+        }
+        best = "lowest" if self.metric_mode == "min" else "highest"
+        return {
+            "checkpoint": ckpt.path.name,
+            "selected_by": f"{best} validation {self.metric_key}",
+            "epoch": meta.get("epoch"),
+            "optimizer_step": meta.get("optimizer_step"),
+            "valid_metrics": valid,
+        }
 
-def _fmt(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+
+PERCENT_METRICS = frozenset({"CER", "WER", "accuracy"})  # metrics in percent
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """``loss 0.1234, CER 3.58 %``: each metric with its unit."""
+    return ", ".join(
+        f"{k} {v:.2f} %" if k in PERCENT_METRICS else f"{k} {v:.4g}" for k, v in metrics.items()
+    )

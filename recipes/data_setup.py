@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from amp_utils.distributed import DistributedInfo, run_on_main
@@ -53,6 +53,26 @@ class DataBundle:
     tokenizer: CharTokenizer | None
     speakers: tuple[str, ...]
     skipped_files: list[tuple[str, str]] = field(default_factory=list)
+    record: dict = field(default_factory=dict)  # what was trained on, for results.json
+
+
+def data_record(
+    data_cfg: DictConfig, manifests: dict[str, Path], utterances: dict[str, list[Utterance]]
+) -> dict:
+    """What a run trains and is tested on: data root, manifests, utterances and hours."""
+    root = OmegaConf.select(data_cfg, "root")
+    return {
+        "name": str(data_cfg.name),
+        "root": str(Path(root).resolve()) if root is not None else None,
+        "manifests": {split: str(Path(path).resolve()) for split, path in manifests.items()},
+        "splits": {
+            split: {
+                "utterances": len(utts),
+                "hours": round(sum(u.duration for u in utts) / 3600, 4),
+            }
+            for split, utts in utterances.items()
+        },
+    }
 
 
 def prepare_manifests(data_cfg: DictConfig) -> dict[str, Path]:
@@ -101,12 +121,15 @@ def load_utterances(
     return splits, skipped
 
 
-def load_data(data_cfg: DictConfig) -> tuple[dict[str, list], list[tuple[str, str]], Path | None]:
+def load_data(
+    data_cfg: DictConfig,
+) -> tuple[dict[str, list], list[tuple[str, str]], Path | None, dict]:
     """Prepare the configured data set and check it (audio headers) before training starts.
 
     Returns:
-        ``(utterances per split, skipped (path, reason) pairs, recordings folder)``; the
-        folder is that of the connected digits' source recordings, ``None`` for manifests.
+        ``(utterances per split, skipped (path, reason) pairs, recordings folder, record)``;
+        the folder is that of the connected digits' source recordings, ``None`` for
+        manifests; the record (``data_record``) goes into ``results.json``.
     """
     paths = prepare_manifests(data_cfg)
     if data_cfg.name == "fsdd_connected":
@@ -115,9 +138,9 @@ def load_data(data_cfg: DictConfig) -> tuple[dict[str, list], list[tuple[str, st
         )
         for path, reason in skipped:
             logger.warning("Skipping the utterances that use bad recording %s: %s", path, reason)
-        return plans, skipped, recordings
+        return plans, skipped, recordings, data_record(data_cfg, paths, plans)
     utterances, skipped = load_utterances(paths, data_cfg.skip_bad_files)
-    return utterances, skipped, None
+    return utterances, skipped, None, data_record(data_cfg, paths, utterances)
 
 
 def make_datasets(
@@ -154,8 +177,9 @@ def build_data(
     """
     data_cfg = cfg.data
     dist_info = dist_info or DistributedInfo()
+
     # Rank 0 prepares and checks the data once; the others get its utterance lists.
-    utterances, skipped, recordings = run_on_main(lambda: load_data(data_cfg))
+    utterances, skipped, recordings, record = run_on_main(lambda: load_data(data_cfg))
     tokenizer = CharTokenizer() if cfg.model.task == "asr" else None
     if cfg.model.task == "speaker":  # closed set: evaluation speakers must be trained on
         speakers = sorted({utt.speaker for utt in utterances["train"]})
@@ -202,4 +226,5 @@ def build_data(
         tokenizer=tokenizer,
         speakers=tuple(speakers),
         skipped_files=skipped,
+        record=record,
     )

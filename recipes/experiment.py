@@ -2,7 +2,9 @@
 
 Validate the config, prepare the data, build the model and its Brain, fit (resuming from
 the run folder's checkpoints if any), test with the best checkpoint, and write
-``results.json`` and ``env.txt`` next to the checkpoints and TensorBoard events.
+``results.json`` and ``env.txt`` next to the checkpoints and TensorBoard events. A run that
+has finished already is left as it is; a run refused before it trains writes nothing into
+its folder (``recipes/run_folder.py``).
 
 Started by ``torchrun`` (or as a multi-task SLURM job), the same run trains with DDP:
 every rank builds the same objects, and only rank 0 logs and writes the run's files.
@@ -13,15 +15,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import platform
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from amp_utils import Checkpointer, EpochCounter, RunOptions, resolve_device
+from amp_utils import (
+    AMPConfig,
+    Checkpointer,
+    CheckpointError,
+    DeviceNotAvailableError,
+    DistributedConfigError,
+    EpochCounter,
+    NonFiniteLossError,
+    PrecisionNotSupportedError,
+    RunOptions,
+    resolve_device,
+)
 from amp_utils.atomic import atomic_write_json
 from amp_utils.brain import compile_stats
 from amp_utils.distributed import (
@@ -32,8 +47,11 @@ from amp_utils.distributed import (
     init_distributed,
     run_on_main,
 )
+from amp_utils.precision import AUTO, check_precision_supported, resolve_precision
+from amp_utils.run_clock import RunClock
 from amp_utils.run_env import write_env_file
 from amp_utils.tensorboard import TensorBoardLogger
+from data.errors import DataError
 from data.features import LogMelFeatures, SpecAugment
 from data.text import CharTokenizer
 from recipes.asr.brain import ASRBrain
@@ -41,6 +59,7 @@ from recipes.asr.model import ConformerCTC
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
 from recipes.data_setup import DataBundle, build_data
+from recipes.run_folder import RESULTS_FILE, RunFolder, finished_message, finished_results
 from recipes.speaker.brain import SpeakerBrain
 from recipes.speaker.model import XVector
 
@@ -49,6 +68,15 @@ logger = logging.getLogger(__name__)
 LABELS_FILE = "labels.json"  # task and speaker names, for inference
 BRAINS: dict[str, type[AudioBrain]] = {"asr": ASRBrain, "speaker": SpeakerBrain}  # by task
 RUN_OPTION_KEYS = frozenset(f.name for f in dataclasses.fields(RunOptions))  # trainer keys
+USER_ERRORS = (  # bad input: reported as one line, without a traceback
+    ConfigError,
+    DataError,
+    CheckpointError,
+    NonFiniteLossError,
+    PrecisionNotSupportedError,
+    DeviceNotAvailableError,
+    DistributedConfigError,
+)
 
 
 def run_options(cfg: DictConfig) -> RunOptions:
@@ -129,9 +157,16 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
 
 
 def build_brain(
-    cfg: DictConfig, data: DataBundle, out_dir: Path | None, tensorboard: TensorBoardLogger | None
+    cfg: DictConfig,
+    data: DataBundle,
+    out_dir: Path | None,
+    tensorboard: TensorBoardLogger | None,
+    on_fit_ready: Callable[[], None] | None = None,
 ) -> AudioBrain:
-    """Model, features, optimizer, schedule and checkpointer wired into the task's Brain."""
+    """Model, features, optimizer, schedule and checkpointer wired into the task's Brain.
+
+    ``on_fit_ready``: called once the Brain has set up and resumed, before training.
+    """
     opts = run_options(cfg)
     modules = build_modules(cfg, data.speakers)
     fused = bool(cfg.trainer.fused_optimizer)  # fused kernels skip bad steps without a sync
@@ -160,6 +195,7 @@ def build_brain(
             "num_text_examples": cfg.trainer.num_text_examples,
             "lr_scheduler": lr_scheduler,
             "tensorboard": tensorboard,
+            "on_fit_ready": on_fit_ready,
         },
         run_opts=opts,
         checkpointer=Checkpointer(out_dir / "checkpoints") if out_dir is not None else None,
@@ -181,11 +217,80 @@ def _overrides() -> list[str]:
         return []
 
 
+def _choices() -> dict[str, str] | None:
+    """The chosen option of each config group, when Hydra composed the config."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return {k: str(v) for k, v in HydraConfig.get().runtime.choices.items()}
+    except ValueError:
+        return None
+
+
+def preflight(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:
+    """Everything that can refuse a command before any work: keys, values, device, precision.
+
+    ``choices``: the chosen option of each config group (for the key check).
+    """
+    validate_config(cfg, choices, primary="config")
+    opts = run_options(cfg)
+    device = resolve_device(opts.device)
+    for name in (opts.precision, opts.eval_precision):
+        check_precision_supported(AMPConfig.from_name(resolve_precision(name, device)[0]), device)
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def device_name(device: torch.device) -> str:
-    """Human-readable name of the device (GPU model, or CPU thread count)."""
+    """Human-readable name of the device (GPU model, or CPU model and thread count)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
+    model = _cpu_model()
+    threads = f"{torch.get_num_threads()} threads"
+    return f"cpu ({model}, {threads})" if model else f"cpu ({threads})"
+
+
+def log_header(cfg: DictConfig, brain: AudioBrain, data: DataBundle, out_dir: Path) -> None:
+    """What the run is about to do: device, precision, data, model, plan, folder."""
+    record = data.record
+    splits = ", ".join(
+        f"{split} {s['utterances']} utterances ({s['hours']:.2f} h)"
+        for split, s in record.get("splits", {}).items()
+    )
+    source = record.get("root") or ", ".join(record.get("manifests", {}).values())
+    params = sum(p.numel() for p in brain.modules.model.parameters())
+    opts = brain.run_opts
+    epochs = opts.debug_epochs if opts.debug else cfg.trainer.epochs
+    batches = min(len(data.train), opts.debug_batches) if opts.debug else len(data.train)
+    steps = math.ceil(batches / opts.grad_accumulation_factor)
+    done = brain.optimizer_step
+    logger.info(
+        "run folder: %s (%s)", out_dir, f"resumed at optimizer step {done}" if done else "new"
+    )
+    logger.info("device: %s", device_name(brain.device))
+    logger.info(
+        "precision: %s training, %s evaluation%s",
+        brain.amp.name,
+        brain.eval_amp.name,
+        " (precision=auto)" if AUTO in (cfg.precision.name, cfg.precision.eval_precision) else "",
+    )
+    logger.info("data: %s from %s: %s", cfg.data.name, source, splits)
+    logger.info("model: %s, %.2f M parameters", cfg.model.name, params / 1e6)
+    logger.info(
+        "plan: %d epochs%s x ~%d optimizer steps = ~%d steps",
+        epochs,
+        " (debug)" if opts.debug else "",
+        steps,
+        epochs * steps,
+    )
 
 
 def ensure_writable(out_dir: Path) -> Path:
@@ -224,9 +329,25 @@ def check_same_run_folder(out_dir: Path) -> None:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run one experiment described by ``cfg``; returns what it writes to results.json."""
+    """Run one experiment described by ``cfg``; returns what it writes to results.json.
+
+    A run whose folder holds the results of at least ``trainer.epochs`` epochs has
+    finished: its results are returned and nothing is written.
+    """
     start = time.time()
-    validate_config(cfg)
+    preflight(cfg, _choices())
+    finished = finished_results(Path(cfg.output_dir), int(cfg.trainer.epochs))
+    if finished is not None:
+        logger.info(finished_message(Path(cfg.output_dir), finished))
+        return finished
+    folder = RunFolder(Path(cfg.output_dir))
+    try:
+        return _train(cfg, folder, start)
+    finally:
+        folder.abandon()  # refused before it trained: no trace in the folder (else no-op)
+
+
+def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
     opts = run_options(cfg)
     device = resolve_device(opts.device)
     dist_info = start_distributed(opts, device)
@@ -235,16 +356,28 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     seed_everything(cfg.seed)
     data = build_data(cfg, device, dist_info)
     main = dist_info.is_main
-    if main:
-        write_env_file(out_dir / "env.txt")
-        atomic_write_json(
-            out_dir / LABELS_FILE, {"task": cfg.model.task, "speakers": list(data.speakers)}
-        )
+
+    def on_fit_ready() -> None:  # data read, checkpoint loaded: the run goes ahead
+        clock.resumed()
+        folder.accept(cfg, write_files=main)
+        if main:
+            log_header(cfg, brain, data, out_dir)
+            write_env_file(out_dir / "env.txt")
+            atomic_write_json(
+                out_dir / LABELS_FILE, {"task": cfg.model.task, "speakers": list(data.speakers)}
+            )
+
     tensorboard = TensorBoardLogger(out_dir / "tb") if main else None
     try:
-        brain = build_brain(cfg, data, out_dir, tensorboard)
-        brain.fit(EpochCounter(cfg.trainer.epochs), data.train, data.valid)
+        brain = build_brain(cfg, data, out_dir, tensorboard, on_fit_ready)
+        clock = RunClock(brain.peak_memory_mb, start=start)
+        if brain.checkpointer is not None:  # optional: checkpoints from before it still load
+            brain.checkpointer.add_recoverable("run_clock", clock, optional=True)
+        epochs = EpochCounter(cfg.trainer.epochs)
+        brain.fit(epochs, data.train, data.valid)
+        epochs_completed = epochs.current  # before testing loads the best checkpoint
         test_metrics = brain.evaluate_best(data.test)
+        tested = brain.tested_checkpoint()
         stats = brain.global_train_stats()
         results = {
             "precision": brain.amp.name,  # as used (precision=auto resolved)
@@ -257,20 +390,26 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "model": cfg.model.name,
             "task": cfg.model.task,
             "data": cfg.data.name,
+            "dataset": data.record,
             "overrides": _overrides(),
             "test_metrics": test_metrics,
-            "valid_metrics": getattr(brain, "valid_metrics", {}),
+            "tested_checkpoint": tested,
+            # The tested checkpoint's validation metrics (not the last epoch's).
+            "valid_metrics": tested["valid_metrics"] if tested else {},
+            "valid_metrics_of": "tested_checkpoint",
             "throughput": {
                 "train_utterances_per_s": stats["utterances"] / max(stats["time_s"], 1e-9),
                 "train_audio_seconds_per_s": stats["audio_s"] / max(stats["time_s"], 1e-9),
                 "train_time_s": stats["time_s"],
             },
-            "peak_memory_mb": brain.peak_memory_mb(),
+            "peak_memory_mb": clock.peak_memory_mb(),
             "peak_memory_kind": (
                 "cuda_max_reserved" if brain.device.type == "cuda" else "process_rss"
             ),
-            "wall_time_s": time.time() - start,
+            "wall_time_s": clock.wall_time_s(),
+            "sessions": clock.sessions,
             "epochs": cfg.trainer.epochs,
+            "epochs_completed": epochs_completed,
             "optimizer_steps": brain.optimizer_step,
             "skipped_steps": brain.skipped_steps,
             "num_parameters": sum(p.numel() for p in brain.modules.model.parameters()),
@@ -281,7 +420,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store
         if not main:
             return results
-        atomic_write_json(out_dir / "results.json", results)
+        atomic_write_json(out_dir / RESULTS_FILE, results)
         tensorboard.log_hparams(
             {
                 "precision": brain.amp.name,
@@ -299,5 +438,5 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     finally:
         if tensorboard is not None:
             tensorboard.close()
-    logger.info("results: %s", out_dir / "results.json")
+    logger.info("results: %s", out_dir / RESULTS_FILE)
     return results

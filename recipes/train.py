@@ -19,29 +19,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from amp_utils import (
-    CheckpointError,
-    DeviceNotAvailableError,
-    DistributedConfigError,
-    NonFiniteLossError,
-    PrecisionNotSupportedError,
-)
-from data.errors import DataError
-from recipes.config import ConfigError, register_resolvers
-from recipes.experiment import train
+from recipes.config import register_resolvers
+from recipes.experiment import USER_ERRORS, train
+from recipes.run_folder import log_to_files
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-USER_ERRORS = (
-    ConfigError,
-    DataError,
-    CheckpointError,
-    NonFiniteLossError,
-    PrecisionNotSupportedError,
-    DeviceNotAvailableError,
-    DistributedConfigError,
-)
-
-log = logging.getLogger(__name__)
 register_resolvers()
 
 
@@ -50,8 +32,8 @@ def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the test loss (for sweepers that optimise it)."""
     try:
         results = train(cfg)
-    except USER_ERRORS as err:  # bad input: one line, no traceback
-        log.error("%s: %s", type(err).__name__, err)
+    except USER_ERRORS as err:  # bad input: one line, no traceback, printed once
+        log_to_files(logging.ERROR, f"{type(err).__name__}: {err}")  # the run's train.log
         sys.exit(f"error: {err}")
     return results["test_metrics"]["loss"]
 

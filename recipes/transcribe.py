@@ -7,11 +7,17 @@ python recipes/transcribe.py RUN_DIR a.wav --precision bf16 --device cuda
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from amp_utils import CheckpointError, DeviceNotAvailableError, PrecisionNotSupportedError
 from data.errors import DataError
 from recipes.inference import RunNotFoundError, load_trained
+
+
+def as_transcribe_advice(message: str) -> str:
+    """Rewrite training-style advice (``device=cpu``) into this tool's flags (``--device cpu``)."""
+    return re.sub(r"\b(device|precision)=([\w:]+)", r"--\1 \2", message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         DeviceNotAvailableError,
         ValueError,
     ) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {as_transcribe_advice(str(err))}", file=sys.stderr)
         return 2
     for path, label in zip(args.audio, labels, strict=True):
         print(f"{path}\t{label}")

@@ -1,7 +1,9 @@
 """Shared fixtures: the real FSDD copy (never downloaded), composed configs, CUDA skips.
 
 FSDD is found through the environment variable FSDD_ROOT, else at
-``<repo>/../shared/datasets/fsdd`` (CI clones the repo with ``shared/`` beside it).
+``<repo>/../shared/datasets/fsdd`` (CI clones the repo with ``shared/`` beside it). Without
+it the tests that need it are skipped, except under CI (``CI=true``), where a missing copy
+fails them: a CI run must not pass by skipping its end-to-end tests.
 """
 
 from __future__ import annotations
@@ -18,15 +20,23 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FSDD_ROOT = REPO_ROOT / ".." / "shared" / "datasets" / "fsdd"
 
 
+def running_in_ci() -> bool:
+    """Whether the environment says this is a CI run (``CI=true``, as CI services set)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
 @pytest.fixture(scope="session")
 def fsdd_root() -> Path:
     """Folder holding FSDD's ``recordings/``; skips the test if it is absent."""
     root = Path(os.environ.get("FSDD_ROOT", DEFAULT_FSDD_ROOT)).resolve()
     if find_fsdd_recordings(root) is None:
-        pytest.skip(
+        message = (
             f"FSDD recordings not found under {root}; set FSDD_ROOT=PATH to a folder "
             "holding FSDD v1.0.10's recordings/ to run this test."
         )
+        if running_in_ci():
+            pytest.fail(f"CI=true: {message}", pytrace=False)
+        pytest.skip(message)
     return root
 
 

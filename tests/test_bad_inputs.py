@@ -49,10 +49,19 @@ def test_misspelled_key_is_named(fsdd_root):
     assert "epohcs" in err and "not in struct" in err
 
 
+def test_added_misspelled_key_is_refused_with_the_valid_keys(fsdd_root, tmp_path):
+    """``+key=value`` adds a key Hydra knows nothing against; the recipe refuses it."""
+    err = cli_error(["+trainer.epohcs=3", f"hydra.run.dir={tmp_path / 'new' / 'run'}"], fsdd_root)
+    assert err.count("\n") == 1 and err.startswith("error: trainer.epohcs is not a config key")
+    assert "Did you mean trainer.epochs?" in err and "Valid trainer keys: " in err
+    assert not (tmp_path / "new").exists()  # refused before Hydra made the folder
+
+
 def test_zero_epochs_fails_with_one_line(fsdd_root, tmp_path):
-    err = cli_error(["trainer.epochs=0", f"hydra.run.dir={tmp_path}"], fsdd_root)
+    err = cli_error(["trainer.epochs=0", f"hydra.run.dir={tmp_path / 'new' / 'run'}"], fsdd_root)
     assert "error: trainer.epochs=0 is not valid; it must be a positive integer" in err
     assert "Traceback" not in err
+    assert not (tmp_path / "new").exists()
 
 
 def test_missing_data_without_network_says_where_and_how(fsdd_root, tmp_path):
@@ -61,19 +70,21 @@ def test_missing_data_without_network_says_where_and_how(fsdd_root, tmp_path):
             f"data.root={tmp_path / 'nowhere'}",
             "data.download=false",
             f"data.prepared_dir={tmp_path / 'prep'}",
-            f"hydra.run.dir={tmp_path / 'run'}",
+            f"hydra.run.dir={tmp_path / 'new' / 'run'}",
         ],
         fsdd_root,
     )
     assert "error:" in err and "Traceback" not in err
     assert str(tmp_path / "nowhere") in err
     assert "free-spoken-digit-dataset" in err and "data.root" in err
+    assert not (tmp_path / "new").exists()  # refused while preparing data: no stray folder
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
-    err = cli_error(["device=cuda", f"hydra.run.dir={tmp_path}"], fsdd_root)
+    err = cli_error(["device=cuda", f"hydra.run.dir={tmp_path / 'new' / 'run'}"], fsdd_root)
     assert "error:" in err and "no CUDA GPU" in err and "device=cpu" in err
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize(
@@ -239,3 +250,18 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, manifests):
         train(manifest_cfg(tmp_path, paths, "model=xvector", "trainer.epochs=2"))
     assert [(c / "state.pt").read_bytes() for c in ckpts] == before  # nothing touched
     shutil.rmtree(tmp_path / "run")
+
+
+def test_help_lists_every_option_with_its_description_keys_and_examples(fsdd_root):
+    from recipes.config import CONF_DIR, GROUPS
+
+    result = run_cli("train.py", ["--help"], fsdd_root, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = result.stdout
+    for group in GROUPS:
+        for option in (CONF_DIR / group).glob("*.yaml"):
+            description = option.read_text().splitlines()[0].lstrip("# ").strip()
+            assert f"{option.stem}" in text and description in text, option
+    assert "*fp32" in text and "*conformer_ctc" in text  # the defaults are marked
+    assert "trainer.epochs" in text and "training epochs" in text
+    assert "Examples:" in text and "precision=bf16 device=cuda" in text

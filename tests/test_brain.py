@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -18,6 +19,7 @@ from amp_utils import (
     TrainingInterrupted,
 )
 from amp_utils.precision import PrecisionNotSupportedError
+from data.sampler import DurationBatchSampler
 
 
 class RegressionBrain(Brain):
@@ -391,6 +393,51 @@ def test_resume_mid_epoch_gives_identical_weights(tmp_path):
     assert resumed.optimizer_step == 36
     for p, q in zip(reference, params_of(resumed), strict=True):
         assert torch.equal(p, q)
+
+
+def fit_duration_batched(ckpt_dir, sampler_skips, stop_at=None, progressbar=False):
+    """Two epochs of 12 batches, a checkpoint per step; dies before batch ``stop_at``.
+
+    ``sampler_skips``: a ``DurationBatchSampler`` through 2 loader workers (the sampler
+    skips the finished batches on resume); else a plain loader (the loop skips them).
+    """
+
+    class Interrupted(ShuffledRegression):
+        def on_fit_batch_start(self, batch, should_step):
+            if stop_at is not None and (self._epoch_counter.current, self.step) == stop_at:
+                raise StopAfter
+
+    brain = Interrupted(
+        {"model": make_model()},
+        lambda p: torch.optim.SGD(p, lr=0.01),
+        run_opts=run_opts(ckpt_interval_steps=1, noprogressbar=not progressbar),
+        checkpointer=Checkpointer(ckpt_dir),
+    )
+    if sampler_skips:
+        sampler = DurationBatchSampler([1.0] * 48, max_batch_seconds=4, seed=1, num_buckets=1)
+        loader = DataLoader(make_data(48), batch_sampler=sampler, num_workers=2)
+    else:
+        loader = DataLoader(make_data(48), batch_size=4)
+    brain.fit(EpochCounter(2), loader)
+    return brain
+
+
+@pytest.mark.parametrize("sampler_skips", [True, False], ids=["sampler_workers2", "loop"])
+def test_resume_mid_epoch_trains_each_batch_once_and_counts_it_once(
+    tmp_path, capsys, sampler_skips
+):
+    reference = fit_duration_batched(tmp_path / "ref", sampler_skips)
+    assert reference.optimizer_step == 24
+    with pytest.raises(StopAfter):
+        fit_duration_batched(tmp_path / "run", sampler_skips, stop_at=(2, 6))
+    capsys.readouterr()
+    resumed = fit_duration_batched(tmp_path / "run", sampler_skips, progressbar=True)
+    assert resumed.optimizer_step == 24  # not 29: the 5 done batches are not trained again
+    for p, q in zip(params_of(reference), params_of(resumed), strict=True):
+        assert torch.equal(p, q)
+    # The resumed epoch's bar starts at 5 of 12 and ends at 12 of 12.
+    counts = re.findall(r"epoch 2/2 train:[^|]*\|[^|]*\| *(\d+)/(\d+)", capsys.readouterr().err)
+    assert counts[0] == ("5", "12") and counts[-1] == ("12", "12"), counts
 
 
 def test_resume_at_epoch_end_gives_identical_weights(tmp_path):

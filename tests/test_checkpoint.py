@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +115,42 @@ def test_epoch_counter_round_trip():
     assert list(other) == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="trainer.epochs"):
         EpochCounter(0)
+
+
+class _RunsACommand:
+    """Unpickling this calls ``os.system(command)``: what a malicious checkpoint would do."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def plant_code_running_checkpoint(checkpoints_dir: Path, marker: Path) -> Path:
+    """Replace the newest checkpoint's state with a pickle that would create ``marker``.
+
+    Its metadata (size, SHA-256) is rewritten to match, as an attacker would.
+    """
+    newest = Checkpointer(checkpoints_dir).find_checkpoint()
+    state = newest.path / "state.pt"
+    payload = torch.load(state, weights_only=True)
+    payload["state"]["evil"] = _RunsACommand(f"touch {marker}")
+    torch.save(payload, state)
+    meta = json.loads((newest.path / "meta.json").read_text())
+    meta["state_bytes"] = state.stat().st_size
+    meta["state_sha256"] = hashlib.sha256(state.read_bytes()).hexdigest()
+    (newest.path / "meta.json").write_text(json.dumps(meta))
+    return newest.path
+
+
+def test_checkpoint_whose_pickle_runs_code_is_refused_and_runs_nothing(tmp_path):
+    saved_pair(tmp_path / "ckpts")
+    marker = tmp_path / "pwned"
+    planted = plant_code_running_checkpoint(tmp_path / "ckpts", marker)
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(tmp_path / "ckpts", {"model": linear(0.0)}).recover_if_possible()
+    message = str(err.value)
+    assert "\n" not in message and str(planted) in message
+    assert "Refused" in message and "system" in message and "weights_only" in message
+    assert not marker.exists()  # the command never ran

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,11 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from amp_utils import Checkpointer
+from amp_utils.checkpoint import read_state
 from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
-from recipes.config import validate_config
+from recipes.audio_brain import AudioBrain
+from recipes.config import ConfigError, validate_config
 from recipes.experiment import train
 from recipes.inference import load_trained
 from tests.recipe_helpers import FAST, compose_config, manifest_config, run_cli
@@ -92,7 +96,22 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert "torch" in (run / "env.txt").read_text()
     ckpts = Checkpointer(run / "checkpoints").list_checkpoints()
     assert ckpts and all("CER" in c.meta for c in ckpts)
-    state = torch.load(ckpts[-1].path / "state.pt", weights_only=False)["state"]
+    # What was tested: the best checkpoint by validation CER, and its validation metrics.
+    tested = saved["tested_checkpoint"]
+    best = min(ckpts, key=lambda c: c.meta["CER"])
+    assert (
+        tested["checkpoint"] == best.path.name and tested["selected_by"] == "lowest validation CER"
+    )
+    assert tested["epoch"] == best.meta["epoch"] and tested["optimizer_step"] == 2 * tested["epoch"]
+    assert saved["valid_metrics"] == tested["valid_metrics"] == best.meta["valid_metrics"]
+    assert saved["valid_metrics_of"] == "tested_checkpoint"
+    # What it trained on: the data root and the size of every split.
+    assert saved["dataset"]["root"] == str(fsdd_root)
+    assert saved["dataset"]["splits"]["train"]["utterances"] == 2400
+    assert all(0 < s["hours"] < 1 for s in saved["dataset"]["splits"].values())
+    resolved = (run / "config_resolved.yaml").read_text()
+    assert "${" not in resolved and f"root: {fsdd_root}" in resolved
+    state = read_state(ckpts[-1].path / "state.pt")["state"]
     assert "module.model" in state and "optimizer" in state
     found = tags(run / "tb")
     for tag in (
@@ -201,6 +220,64 @@ def test_rerun_resumes_and_extends(tmp_path, fsdd_root, prepared_digits):
     assert again["optimizer_steps"] == 4  # one more epoch, not two
 
 
+def test_results_describe_the_whole_run_over_sessions(
+    tmp_path, fsdd_root, prepared_digits, monkeypatch
+):
+    """Wall and training time add up over sessions; the peak memory is the highest one."""
+    fit_batch = AudioBrain.fit_batch
+
+    def slow_and_big(self, batch):  # session 1 only: +1 s and +300 MB per batch
+        ballast = torch.ones(300 * 2**20 // 4)
+        time.sleep(0.5)
+        del ballast
+        return fit_batch(self, batch)
+
+    monkeypatch.setattr(AudioBrain, "fit_batch", slow_and_big)
+    first = train(
+        fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.debug_epochs=1", "trainer.epochs=1")
+    )
+    monkeypatch.undo()
+    assert first["sessions"] == 1 and first["throughput"]["train_time_s"] >= 1.0
+    session_start = time.time()
+    second = train(
+        fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.debug_epochs=2", "trainer.epochs=2")
+    )
+    session = time.time() - session_start
+    assert second["sessions"] == 2 and second["optimizer_steps"] == 4
+    train_time = second["throughput"]["train_time_s"]
+    assert train_time > first["throughput"]["train_time_s"]  # both sessions' training
+    assert second["wall_time_s"] >= session + 1.0 - 0.2  # + the first session's slow batches
+    assert train_time <= second["wall_time_s"]
+    assert second["peak_memory_mb"] >= first["peak_memory_mb"] > 300
+
+
+def test_in_process_rerun_of_a_finished_run_returns_its_results(
+    tmp_path, fsdd_root, prepared_digits
+):
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.epochs=2")
+    first = train(cfg)
+    before = snapshot(tmp_path / "run")
+    assert train(cfg) == json.loads(json.dumps(first))
+    assert snapshot(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+trainer.epohcs=3"], r"trainer.epohcs is not a config key.*Did you mean trainer.epochs"),
+        (["model=xvector", "+model.d_model=64"], r"model.d_model is not a .*Valid model keys: ch"),
+        (["+data.features.nmels=20"], r"data.features.nmels .*Did you mean data.features.n_mels"),
+        (["+seeed=3"], r"seeed is not a config key.*Valid top-level keys: data, device, model"),
+    ],
+)
+def test_keys_the_recipe_does_not_use_are_refused(tmp_path, overrides, message):
+    cfg = compose_config([*FAST, *overrides, f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=message) as err:
+        train(cfg)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_with_another_precision_drops_the_loss_scaler(
     tmp_path, fsdd_root, prepared_digits, caplog
 ):
@@ -232,23 +309,40 @@ def test_resume_with_another_precision_drops_the_loss_scaler(
     assert "fp16 loss scaler state is dropped" in caplog.text
 
 
+def cli_args(prepared: Path, run_dir: Path, *extra: str) -> list[str]:
+    """The command line of the CLI run (two debug epochs, then it has finished)."""
+    return [
+        *FAST,
+        "trainer.epochs=2",
+        f"data.prepared_dir={prepared}",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
+
+
 @pytest.fixture(scope="session")
 def cli_run(fsdd_root, prepared_digits, tmp_path_factory) -> Path:
-    """One real ``recipes/train.py`` run (ASR, fp32) in its own folder."""
+    """One real, finished ``recipes/train.py`` run (ASR, fp32) in its own folder."""
     run_dir = tmp_path_factory.mktemp("cli") / "run"
-    result = run_cli(
-        "train.py",
-        [*FAST, f"data.prepared_dir={prepared_digits}", f"hydra.run.dir={run_dir}"],
-        fsdd_root,
-    )
+    result = run_cli("train.py", cli_args(prepared_digits, run_dir), fsdd_root)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
 
-def test_cli_run_folder_holds_everything(cli_run):
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every file's bytes (None for folders) below ``folder``, by relative path."""
+    return {
+        str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_cli_run_folder_holds_everything(cli_run, fsdd_root):
     for name in (
         ".hydra/config.yaml",
+        ".hydra/hydra.yaml",
         ".hydra/overrides.yaml",
+        "config_resolved.yaml",
         "train.log",
         "env.txt",
         "results.json",
@@ -258,6 +352,45 @@ def test_cli_run_folder_holds_everything(cli_run):
     ):
         assert (cli_run / name).exists(), name
     assert "test:" in (cli_run / "train.log").read_text()
+    assert "epochs=2" in (cli_run / ".hydra" / "overrides.yaml").read_text()
+    resolved = (cli_run / "config_resolved.yaml").read_text()
+    assert "${" not in resolved and f"root: {fsdd_root}" in resolved
+    assert f"output_dir: {cli_run}" in resolved
+
+
+def test_rerunning_a_finished_run_changes_nothing(cli_run, fsdd_root, prepared_digits):
+    before = snapshot(cli_run)
+    result = run_cli("train.py", cli_args(prepared_digits, cli_run), fsdd_root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finished" in result.stdout and str(cli_run / "results.json") in result.stdout
+    assert "trainer.epochs" in result.stdout  # how to train it further
+    assert snapshot(cli_run) == before
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # Refused before any work, by the config check.
+        (["trainer.epochs=0"], "trainer.epochs=0 is not valid"),
+        # Refused after Hydra has composed the run and the data step has begun.
+        (
+            ["trainer.epochs=3", "data.root=/nowhere", "data.download=false"],
+            "FSDD v1.0.10 recordings not found",
+        ),
+    ],
+    ids=["bad_value", "missing_data"],
+)
+def test_refused_command_leaves_a_finished_run_untouched(
+    cli_run, fsdd_root, tmp_path, extra, message
+):
+    """Its .hydra/*.yaml, train.log and every other file stay byte-identical."""
+    before = snapshot(cli_run)
+    prepared = tmp_path / "prepared"  # empty: the missing data case must look for FSDD
+    result = run_cli("train.py", cli_args(prepared, cli_run, *extra), fsdd_root)
+    assert result.returncode == 1
+    assert result.stderr.count("error:") == 1 and message in result.stderr
+    assert "error" not in result.stdout.lower()  # printed once
+    assert snapshot(cli_run) == before
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -272,6 +405,32 @@ def test_transcribe_prints_a_transcript_per_file(cli_run, fsdd_recordings, preci
     rows = [line.split("\t") for line in result.stdout.rstrip("\n").split("\n")]
     assert [row[0] for row in rows] == [str(w) for w in wavs]
     assert all(set(row[1]) <= set("abcdefghijklmnopqrstuvwxyz' ") for row in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_transcribe_errors_give_its_own_flags(cli_run, fsdd_recordings):
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    result = run_cli("transcribe.py", [str(cli_run), wav, "--device", "cuda"], fsdd_recordings)
+    assert result.returncode == 2 and result.stderr.count("error:") == 1
+    assert "--device cpu" in result.stderr and "device=cpu" not in result.stderr
+
+
+def test_transcribe_refuses_a_checkpoint_that_would_run_code(cli_run, fsdd_recordings, tmp_path):
+    from tests.test_checkpoint import plant_code_running_checkpoint
+
+    run = tmp_path / "shared_run"  # a run folder someone passed around
+    shutil.copytree(cli_run, run)
+    marker = tmp_path / "pwned"
+    best = Checkpointer(run / "checkpoints").find_checkpoint(min_key="CER")
+    for ckpt in Checkpointer(run / "checkpoints").list_checkpoints():
+        if ckpt.path != best.path:
+            shutil.rmtree(ckpt.path)  # the planted one is then the one transcribe loads
+    plant_code_running_checkpoint(run / "checkpoints", marker)
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    result = run_cli("transcribe.py", [str(run), wav, "--device", "cpu"], fsdd_recordings)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "error: Refused to load" in result.stderr and "weights_only" in result.stderr
+    assert not marker.exists()
 
 
 def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from data.errors import DataError
 from data.sampler import DurationBatchSampler
@@ -94,15 +95,33 @@ def test_evaluation_shards_cover_every_batch_once(num_replicas: int) -> None:
     assert max(map(len, per_rank)) - min(map(len, per_rank)) == 1
 
 
-def test_skip_batches_is_one_shot() -> None:
+def test_skip_batches_holds_for_the_epoch_and_set_epoch_clears_it() -> None:
     sampler = DurationBatchSampler(DURATIONS, BUDGET, seed=9)
     sampler.set_epoch(1)
     full = list(sampler)
     sampler.skip_batches(3)
     assert len(sampler) == len(full) - 3
     assert list(sampler) == full[3:]
-    assert len(sampler) == len(full)
-    assert list(sampler) == full
+    assert list(sampler) == full[3:]  # iterated again (e.g. by a DataLoader): same position
+    assert len(sampler) == len(full) - 3
+    sampler.set_epoch(2)  # the next epoch starts at its first batch
+    assert len(sampler) == len(_epoch(DurationBatchSampler(DURATIONS, BUDGET, seed=9), 2))
+    assert list(sampler) == _epoch(DurationBatchSampler(DURATIONS, BUDGET, seed=9), 2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skip_batches_through_a_dataloader_with_workers(num_workers: int) -> None:
+    """A multiprocessing DataLoader calls the batch sampler's ``__iter__`` twice at start."""
+    sampler = DurationBatchSampler([1.0] * 40, max_batch_seconds=4, seed=2)
+    loader = torch.utils.data.DataLoader(
+        list(range(40)), batch_sampler=sampler, num_workers=num_workers
+    )
+    sampler.set_epoch(0)
+    full = [batch.tolist() for batch in loader]
+    assert len(full) == 10
+    sampler.skip_batches(3)
+    assert len(loader) == 7
+    assert [batch.tolist() for batch in loader] == full[3:]
 
 
 @pytest.mark.parametrize("budget", [0, -5.0])
