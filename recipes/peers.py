@@ -521,6 +521,7 @@ def run_peer(
 
         peer = speechbrain_peer(modules, forward_loss, precision, device, settings)
         stats = time_steps(peer.step, batches, warmup, steps, device)
+        stats.pop("shapes", None)  # the batch shapes only our FLOP counter reads
         return PeerResult(name, precision, "ran", "", version, peer.notes, stats)
     lightning = lightning_peer(modules, forward_loss, precision, device, settings)
     stats = lightning.run(batches, warmup, steps)
