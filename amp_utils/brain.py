@@ -595,6 +595,12 @@ class Brain:
             skip = skip | ~torch.isfinite(grad_norm)
         for opt in self.optimizers_dict.values():
             if self.scaler.is_enabled():
+                # The scaler checks the gradients only: a non-finite loss whose gradients
+                # are finite must skip too, so its flag joins the scaler's (on the device;
+                # the scaler then also backs off as after an overflow).
+                found = self.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+                for flag in found.values():
+                    torch.maximum(flag, skip.to(flag), out=flag)
                 self.scaler.step(opt)
             else:
                 _step_unless(opt, skip)

@@ -1,0 +1,262 @@
+"""The AMP optimizer step of ``Brain.fit_batch``, checked against plain PyTorch.
+
+One step of the loop must give the parameters (and optimizer state) of the textbook step:
+``torch.autocast`` forward, ``GradScaler.scale(loss).backward()``, ``unscale_``,
+``clip_grad_norm_``, ``scaler.step(optimizer)``, ``scaler.update()``. Counting steps is not
+enough: a step that is silently dropped, or clipped on scaled gradients, still counts.
+
+A skipped step (an fp16 overflow, a non-finite loss, or with ``skip_nonfinite_grads`` a
+non-finite gradient) must leave parameters and optimizer state bit-for-bit as they were and
+must not advance the LR scheduler.
+
+Everything runs on the CPU in milliseconds (CPU autocast does fp16 and bf16).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from amp_utils import Brain
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: fp16 loss scale for these tests: the default 2**16 overflows on the first step here, so
+#: no update would be applied; 2**10 leaves the scaled fp16 gradients finite.
+INIT_SCALE = 2.0**10
+MAX_GRAD_NORM = 0.5  # below the gradient norm of the first batch: clipping is active
+#: Brain and the reference run the same operations in the same order on the CPU, so they
+#: agree to float32 rounding; a dropped or wrongly scaled update is off by ~1e-3 or more.
+RTOL, ATOL = 1e-5, 1e-6
+IMPLS = ["fused", "foreach"]
+
+
+class InfGrad(torch.autograd.Function):
+    """Identity forward, infinite gradient backward: a finite loss with non-finite grads."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class StepBrain(Brain):
+    """MSE regression; ``hparams.bad`` maps a batch index (``self.step``) to a fault."""
+
+    def compute_forward(self, batch, stage):
+        return self.modules.model(batch[0])
+
+    def compute_objectives(self, predictions, batch, stage):
+        loss = torch.nn.functional.mse_loss(predictions.float(), batch[1])
+        fault = self.hparams.bad.get(self.step) if self.hparams else None
+        if fault == "inf_grad":
+            return InfGrad.apply(loss)
+        if fault == "nan_loss":  # the loss is NaN, its gradients stay finite
+            return loss + torch.tensor(float("nan"))
+        return loss
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 8, generator=gen)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def adamw(impl: str):
+    flags = {"fused": True} if impl == "fused" else {"foreach": True}
+    return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **flags)
+
+
+def sgd(impl: str):
+    flags = {"fused": True} if impl == "fused" else {"foreach": True}
+    return lambda params: torch.optim.SGD(params, lr=1.0, **flags)
+
+
+def make_brain(model, opt_class, precision, bad=None, **opts) -> StepBrain:
+    hparams = {
+        "bad": bad or {},
+        "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+    }
+    run_opts = {"device": "cpu", "precision": precision, "max_grad_norm": MAX_GRAD_NORM, **opts}
+    brain = StepBrain({"model": model}, opt_class, hparams=hparams, run_opts=run_opts)
+    if brain.scaler.is_enabled():
+        brain.scaler.load_state_dict(reference_scaler(precision).state_dict())
+    brain.init_optimizers()
+    brain.modules.train()
+    return brain
+
+
+def reference_scaler(precision: str) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, enabled=precision == "fp16")
+
+
+def brain_step(brain: StepBrain, batch) -> None:
+    """One batch as the fit loop drives it, with its values read back."""
+    brain.step += 1
+    brain.fit_batch(batch)
+    brain.flush_pending()
+
+
+def reference_step(model, opt, scaler, batch, precision: str) -> torch.Tensor:
+    """The plain PyTorch AMP step; returns the (unscaled, pre-clipping) gradient norm."""
+    x, y = batch
+    dtype = DTYPES[precision]
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return norm
+
+
+def params(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def assert_state_close(actual: dict, expected: dict, exact: bool = False) -> None:
+    """Optimizer ``state_dict()['state']`` entries: every tensor (moments, step) alike."""
+    assert actual.keys() == expected.keys()
+    for index, entry in expected.items():
+        assert actual[index].keys() == entry.keys(), index
+        for key, value in entry.items():
+            if exact:
+                assert torch.equal(actual[index][key], value), (index, key)
+            else:
+                torch.testing.assert_close(actual[index][key], value, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_one_step_matches_the_plain_pytorch_amp_step(precision, impl):
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    before = params(model)
+    brain = make_brain(model, adamw(impl), precision)
+    ref_opt = adamw(impl)(ref_model.parameters())
+    ref_scaler = reference_scaler(precision)
+    batch = make_batch(1)
+
+    brain_step(brain, batch)
+    ref_norm = reference_step(ref_model, ref_opt, ref_scaler, batch, precision)
+
+    assert ref_norm > 2 * MAX_GRAD_NORM  # the step is clipped
+    assert (brain.optimizer_step, brain.skipped_steps) == (1, 0)
+    assert brain.last_grad_norm == pytest.approx(ref_norm.item(), rel=RTOL)
+    for p, q, p0 in zip(model.parameters(), ref_model.parameters(), before, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+        assert (p.detach() - p0).abs().min() > 1e-3  # every weight really moved
+    assert_state_close(brain.optimizer.state_dict()["state"], ref_opt.state_dict()["state"])
+    assert brain.lr_scheduler.last_epoch == 1
+    if precision == "fp16":
+        assert brain.scaler.get_scale() == ref_scaler.get_scale() == INIT_SCALE
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_clips_the_unscaled_gradients_and_logs_their_norm(impl):
+    """SGD with lr 1 moves the weights by exactly the clipped gradient the step used."""
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    before = torch.cat([p.flatten() for p in params(model)])
+    brain = make_brain(model, sgd(impl), "fp16")
+    batch = make_batch(1)
+
+    brain_step(brain, batch)
+    ref_norm = reference_step(
+        ref_model, sgd(impl)(ref_model.parameters()), reference_scaler("fp16"), batch, "fp16"
+    ).item()
+
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert brain.optimizer_step == 1
+    assert torch.linalg.vector_norm(after - before).item() == pytest.approx(MAX_GRAD_NORM, rel=1e-4)
+    assert ref_norm > 2 * MAX_GRAD_NORM
+    assert brain.last_grad_norm == pytest.approx(ref_norm, rel=RTOL)  # not INIT_SCALE times it
+
+
+class Snapshot:
+    """Parameters, optimizer state, learning rate and scheduler position of a brain."""
+
+    def __init__(self, brain: StepBrain) -> None:
+        self.params = params(brain.modules)
+        self.optimizer = copy.deepcopy(brain.optimizer.state_dict())
+        self.lr = brain.optimizer.param_groups[0]["lr"]
+        self.last_epoch = brain.lr_scheduler.last_epoch
+
+    def assert_unchanged(self, brain: StepBrain) -> None:
+        """Bit for bit: a skipped step must not touch anything."""
+        for p, q in zip(brain.modules.parameters(), self.params, strict=True):
+            assert torch.equal(p.detach(), q)
+        state = brain.optimizer.state_dict()
+        assert_state_close(state["state"], self.optimizer["state"], exact=True)
+        assert state["param_groups"] == self.optimizer["param_groups"]
+        assert brain.optimizer.param_groups[0]["lr"] == self.lr
+        assert brain.lr_scheduler.last_epoch == self.last_epoch
+
+
+#: precision and fault of each case: every one must skip the step.
+SKIP_CASES = {
+    "fp16-inf_grad": ("fp16", "inf_grad"),
+    "fp16-overflow": ("fp16", "overflow"),  # finite loss, scaled fp16 gradients overflow
+    "fp32-nan_loss": ("fp32", "nan_loss"),
+    "bf16-nan_loss": ("bf16", "nan_loss"),
+    "fp16-nan_loss": ("fp16", "nan_loss"),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", SKIP_CASES.keys())
+def test_skipped_step_changes_no_parameter_no_optimizer_state_no_lr(case, impl):
+    precision, fault = SKIP_CASES[case]
+    model = make_model()
+    brain = make_brain(model, adamw(impl), precision, bad={2: fault})
+    brain_step(brain, make_batch(1))  # a good step first: the optimizer has state
+    saved = Snapshot(brain)
+    x, y = make_batch(2)
+    if fault == "overflow":  # a finite loss whose scaled fp16 gradients overflow
+        x, y = x * 300, y * 300
+
+    brain_step(brain, (x, y))
+
+    assert (brain.optimizer_step, brain.skipped_steps) == (1, 1)
+    assert brain.nonfinite_count == (fault == "nan_loss")  # else the gradients alone skip it
+    saved.assert_unchanged(brain)
+    if precision == "fp16":
+        assert brain.scaler.get_scale() == INIT_SCALE / 2  # the scaler backed off
+    brain_step(brain, make_batch(3))  # and training goes on
+    assert (brain.optimizer_step, brain.skipped_steps) == (2, 1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("skip_nonfinite_grads", [True, False])
+def test_skip_nonfinite_grads_decides_a_bf16_step_with_a_finite_loss(skip_nonfinite_grads, impl):
+    model = make_model()
+    brain = make_brain(
+        model, adamw(impl), "bf16", bad={2: "inf_grad"}, skip_nonfinite_grads=skip_nonfinite_grads
+    )
+    brain_step(brain, make_batch(1))
+    saved = Snapshot(brain)
+
+    brain_step(brain, make_batch(2))
+
+    assert brain.nonfinite_count == 0 and math.isfinite(brain.avg_train_loss)  # finite loss
+    assert not math.isfinite(brain.last_grad_norm)
+    if skip_nonfinite_grads:
+        assert (brain.optimizer_step, brain.skipped_steps) == (1, 1)
+        saved.assert_unchanged(brain)
+    else:  # applied as asked: the non-finite gradient reaches the weights
+        assert (brain.optimizer_step, brain.skipped_steps) == (2, 0)
+        assert all(not torch.isfinite(p).all() for p in brain.modules.parameters())
+        assert brain.lr_scheduler.last_epoch == 2
