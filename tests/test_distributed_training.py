@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -119,12 +120,30 @@ def test_ddp_matches_single_process_with_the_same_global_batch(runs):
             assert ddp_res[split][key] == pytest.approx(value, rel=TOLERANCE, abs=1e-6), key
 
 
+#: TensorBoard's event file name: events.out.tfevents.<time>.<hostname>.<pid>.<uid>; the
+#: hostname may hold dots, so the process id is read from the end.
+EVENT_FILE = re.compile(r"events\.out\.tfevents\.\d+\.(?P<host>.+)\.(?P<pid>\d+)\.\d+")
+
+
+def writer_pid(name: str) -> int:
+    """The id of the process that wrote a TensorBoard event file."""
+    match = EVENT_FILE.fullmatch(name)
+    assert match is not None, f"unexpected event file name {name!r}"
+    return int(match["pid"])
+
+
+def test_writer_pid_reads_the_process_id_of_an_event_file():
+    assert writer_pid("events.out.tfevents.1732000000.vm.4242.0") == 4242
+    assert writer_pid("events.out.tfevents.1732000000.node01.cluster.org.77.3") == 77
+
+
 def test_only_rank_zero_writes_outputs(runs):
     run_dir = runs["ddp"]
     for name in ("results.json", "env.txt", "labels.json", "train.log"):
         assert (run_dir / name).is_file(), name
-    writers = {p.name.split(".")[4] for p in (run_dir / "tb").rglob("events.out.tfevents.*")}
-    assert len(writers) == 1, f"TensorBoard events from several processes: {writers}"
+    events = [p.name for p in (run_dir / "tb").rglob("events.out.tfevents.*")]
+    writers = {writer_pid(name) for name in events}
+    assert len(writers) == 1, f"TensorBoard events from several processes: {events}"
     log = (run_dir / "train.log").read_text()
     assert log.count("epoch 1/") == 1 and log.count("test:") == 1  # rank 1 logs no INFO
     ckpt_names = [p.name for p in (run_dir / "checkpoints").iterdir()]
