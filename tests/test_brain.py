@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 
@@ -449,34 +450,46 @@ def test_resume_at_epoch_end_gives_identical_weights(tmp_path):
 
 
 def test_checkpoint_round_trip_restores_everything(tmp_path):
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    loss = model(torch.randn(4, 8)).sum()
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    ckpt = Checkpointer(tmp_path, {"model": model, "opt": opt, "scaler": scaler})
-    torch.manual_seed(7)
-    saved = ckpt.save_checkpoint(meta={"CER": 3.1})
-    expected_rand = torch.rand(3)
+    """Weights, optimizer, scheduler, loss scale, loop counters and the RNGs come back."""
 
-    model2 = torch.nn.Sequential(
-        *[type(m)(*()) if isinstance(m, torch.nn.ReLU) else m for m in make_model()]
-    )
+    def fp16_brain(seed: int, scale: float) -> RegressionBrain:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        brain = RegressionBrain(
+            {"model": model},
+            lambda p: torch.optim.AdamW(p, lr=1e-3),
+            hparams={"lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)},
+            run_opts=run_opts(precision="fp16"),
+            checkpointer=Checkpointer(tmp_path),
+        )
+        brain.scaler.load_state_dict({**brain.scaler.state_dict(), "scale": scale})
+        return brain
+
+    brain = fp16_brain(0, scale=1024.0)  # the default 2**16 overflows: no step applied
+    brain.fit(range(1), DataLoader(make_data(24), batch_size=8))
+    assert brain.optimizer_step == 3 and brain.scaler.get_scale() == 1024.0
+    torch.manual_seed(7)
+    random.seed(7)
+    saved = brain.checkpointer.save_checkpoint(meta={"CER": 3.1})
+    expected_draws = (torch.rand(3), random.random())
+
+    restored = fp16_brain(99, scale=2.0**16)  # other weights, fresh optimizer and scaler
+    restored.init_optimizers()
     torch.manual_seed(99)
-    for p in model2.parameters():
-        torch.nn.init.normal_(p)
-    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
-    scaler2 = torch.amp.GradScaler("cpu")
-    restore = Checkpointer(tmp_path, {"model": model2, "opt": opt2, "scaler": scaler2})
-    found = restore.recover_if_possible()
+    random.seed(99)
+    found = restored.checkpointer.recover_if_possible()
+
     assert found.path == saved.path and found.meta["CER"] == 3.1
-    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+    assert torch.equal(torch.rand(3), expected_draws[0])
+    assert random.random() == expected_draws[1]
+    for p, q in zip(brain.modules.parameters(), restored.modules.parameters(), strict=True):
         assert torch.equal(p, q)
-    assert scaler2.get_scale() == scaler.get_scale()
-    assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
-    del expected_rand
+    torch.testing.assert_close(
+        restored.optimizer.state_dict(), brain.optimizer.state_dict(), rtol=0, atol=0
+    )
+    assert restored.lr_scheduler.state_dict() == brain.lr_scheduler.state_dict()
+    assert restored.scaler.state_dict() == brain.scaler.state_dict()
+    assert (restored.optimizer_step, restored.avg_train_loss) == (3, brain.avg_train_loss)
 
 
 def test_brain_checkpoint_restores_rng(tmp_path):
