@@ -18,6 +18,7 @@ from amp_utils import Checkpointer
 from amp_utils.checkpoint import read_state
 from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
+from data.text import CharTokenizer
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
 from recipes.experiment import train
@@ -393,18 +394,54 @@ def test_refused_command_leaves_a_finished_run_untouched(
     assert snapshot(cli_run) == before
 
 
+class _StateHolder:
+    """A recoverable that saves a given state dict (to write a crafted checkpoint)."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def plant_one_letter_model(run: Path, letter: str) -> None:
+    """Leave the run one best checkpoint: its own weights, but an output layer that scores
+    ``letter`` highest on every frame, so greedy CTC decoding reads exactly ``letter``.
+
+    The two debug epochs of the CLI run leave a model that may well transcribe nothing;
+    this makes the expected transcript known and non-empty.
+    """
+    checkpoints = Checkpointer(run / "checkpoints")
+    best = checkpoints.find_checkpoint(min_key="CER")
+    weights = read_state(best.path / "state.pt")["state"]["module.model"]
+    weights["output.weight"].zero_()
+    weights["output.bias"].fill_(-10.0)
+    weights["output.bias"][CharTokenizer().encode(letter)[0]] = 10.0
+    for ckpt in checkpoints.list_checkpoints():
+        shutil.rmtree(ckpt.path)
+    planted = Checkpointer(run / "checkpoints", {"module.model": _StateHolder(weights)})
+    planted.save_checkpoint(meta={"CER": 0.0})
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_transcribe_prints_a_transcript_per_file(cli_run, fsdd_recordings, precision):
+def test_transcribe_prints_a_transcript_per_file(cli_run, fsdd_recordings, precision, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    plant_one_letter_model(run, "z")
     wavs = [fsdd_recordings / "3_theo_0.wav", fsdd_recordings / "7_george_1.wav"]
     result = run_cli(
         "transcribe.py",
-        [str(cli_run), *map(str, wavs), "--precision", precision, "--device", "cpu"],
+        [str(run), *map(str, wavs), "--precision", precision, "--device", "cpu"],
         fsdd_recordings,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split("\t") for line in result.stdout.rstrip("\n").split("\n")]
     assert [row[0] for row in rows] == [str(w) for w in wavs]
     assert all(set(row[1]) <= set("abcdefghijklmnopqrstuvwxyz' ") for row in rows)
+    assert [row[1] for row in rows] == ["z", "z"]  # the checkpoint's model, decoded
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
