@@ -97,13 +97,21 @@ def test_forward_dtype_follows_precision_and_eval_precision(precision, dtype):
 def test_throughput_counts_training_time_only():
     import time
 
-    brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    class SlowBrain(RegressionBrain):
+        """Each training batch takes >= 10 ms, each validation batch >= 50 ms."""
+
+        def compute_forward(self, batch, stage):
+            time.sleep(0.01 if stage == Stage.TRAIN else 0.05)
+            return super().compute_forward(batch, stage)
+
+    brain = SlowBrain({"model": make_model()}, sgd(), run_opts=run_opts())
     data = DataLoader(make_data(), batch_size=8)
     start = time.perf_counter()
     brain.fit(range(3), data, valid_set=data)
     wall = time.perf_counter() - start
     assert brain.train_stats["utterances"] == 3 * 32  # 3 epochs of 32 examples
-    assert 0 < brain.train_stats["time_s"] <= wall
+    train_sleep, valid_sleep = 3 * 4 * 0.01, 3 * 4 * 0.05
+    assert train_sleep <= brain.train_stats["time_s"] <= wall - valid_sleep
 
 
 def test_hparams_have_dot_access_and_unknown_run_option_fails():
