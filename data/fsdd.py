@@ -212,46 +212,85 @@ def fsdd_utterances(recordings_dir: str | Path) -> list[Utterance]:
     return utterances
 
 
-def split_fsdd(utterances: Sequence[Utterance]) -> dict[str, list[Utterance]]:
-    """Split FSDD utterances by recording index.
+def split_fsdd(
+    utterances: Sequence[Utterance], test_speakers: Sequence[str] = ()
+) -> dict[str, list[Utterance]]:
+    """Split FSDD utterances by recording index, or hold whole speakers out for testing.
 
-    test = index 0-4 (the official test set), valid = 5-9, train = 10-49. The split is by
-    index, so every speaker and digit appears in every split.
+    Without ``test_speakers``: test = index 0-4 (the official test set), valid = 5-9,
+    train = 10-49; every speaker and digit appears in every split.
+
+    With ``test_speakers``: test = every recording of those speakers (voices the model has
+    never heard: what a user's own voice is to it), valid = index 0-9 of the others,
+    train = index 10-49 of the others.
 
     Returns:
         ``{"train": [...], "valid": [...], "test": [...]}`` in input order.
+
+    Raises:
+        DataError: a held-out speaker is not in the data, or no speaker is left to train on.
     """
+    speakers = sorted({utt.speaker for utt in utterances})
+    held_out = set(test_speakers)
+    unknown = sorted(held_out - set(speakers))
+    if unknown:
+        raise DataError(
+            f"data.test_speakers names {unknown}, not FSDD speakers; choose from: "
+            f"{', '.join(speakers)}."
+        )
+    if held_out and held_out >= set(speakers):
+        raise DataError(
+            "data.test_speakers holds out every speaker; leave at least one to train on."
+        )
     splits: dict[str, list[Utterance]] = {"train": [], "valid": [], "test": []}
     for utt in utterances:
         _, _, index = parse_fsdd_name(utt.path)
-        if index in TEST_INDICES:
-            splits["test"].append(utt)
+        if held_out:
+            split = (
+                "test"
+                if utt.speaker in held_out
+                else "valid"
+                if index in TEST_INDICES or index in VALID_INDICES
+                else "train"
+            )
+        elif index in TEST_INDICES:
+            split = "test"
         elif index in VALID_INDICES:
-            splits["valid"].append(utt)
+            split = "valid"
         else:
-            splits["train"].append(utt)
+            split = "train"
+        splits[split].append(utt)
     return splits
 
 
 def prepare_fsdd_digits(
-    root: str | Path, out_dir: str | Path, download: bool = True
+    root: str | Path,
+    out_dir: str | Path,
+    download: bool = True,
+    test_speakers: Sequence[str] = (),
 ) -> dict[str, Path]:
     """Write ``train/valid/test.csv`` manifests of single FSDD digits into ``out_dir``.
 
     Safe to re-run: manifests are rewritten atomically (3000 header reads, about a second).
+    A split with held-out speakers goes to its own subfolder (``test_speakers=jackson``), so
+    the runs of a leave-one-speaker-out sweep never share manifests.
 
     Args:
         root: where FSDD is or should be downloaded to (see ``ensure_fsdd``).
         out_dir: folder for the manifests.
         download: allow downloading FSDD if it is not under ``root``.
+        test_speakers: speakers held out for testing (see ``split_fsdd``); empty: the
+            official split.
 
     Returns:
         Manifest path per split.
     """
     recordings = ensure_fsdd(root, download=download)
     out_dir = Path(out_dir)
+    if test_speakers:
+        out_dir = out_dir / f"test_speakers={','.join(sorted(test_speakers))}"
     paths = {}
-    for split, utterances in split_fsdd(fsdd_utterances(recordings)).items():
+    for split, utterances in split_fsdd(fsdd_utterances(recordings), test_speakers).items():
         paths[split] = out_dir / f"{split}.csv"
         write_manifest(paths[split], utterances)
     return paths

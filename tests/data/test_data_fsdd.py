@@ -56,6 +56,32 @@ def test_utterances_and_split(fsdd_utts: list[Utterance]) -> None:
         assert {u.transcript for u in utts} == set(DIGIT_WORDS)
 
 
+def test_held_out_speakers_are_tested_on_and_never_trained_on(
+    fsdd_utts: list[Utterance],
+) -> None:
+    splits = fsdd.split_fsdd(fsdd_utts, test_speakers=["jackson", "lucas"])
+    assert {k: len(v) for k, v in splits.items()} == {"train": 1600, "valid": 400, "test": 1000}
+    assert {u.speaker for u in splits["test"]} == {"jackson", "lucas"}
+    others = set(fsdd.FSDD_SPEAKERS) - {"jackson", "lucas"}
+    for split in ("train", "valid"):
+        assert {u.speaker for u in splits[split]} == others
+        assert {u.transcript for u in splits[split]} == set(DIGIT_WORDS)
+    valid_indices = {fsdd.parse_fsdd_name(u.path)[2] for u in splits["valid"]}
+    assert valid_indices == set(range(10))
+    with pytest.raises(DataError, match="'bob'.*choose from: george, jackson"):
+        fsdd.split_fsdd(fsdd_utts, test_speakers=["bob"])
+    with pytest.raises(DataError, match="every speaker"):
+        fsdd.split_fsdd(fsdd_utts, test_speakers=list(fsdd.FSDD_SPEAKERS))
+
+
+def test_held_out_manifests_go_to_their_own_folder(fsdd_root: Path, tmp_path: Path) -> None:
+    official = fsdd.prepare_fsdd_digits(fsdd_root, tmp_path, download=False)
+    held = fsdd.prepare_fsdd_digits(fsdd_root, tmp_path, download=False, test_speakers=["theo"])
+    assert held["test"].parent == tmp_path / "test_speakers=theo"
+    assert len(read_manifest(official["test"])) == 300  # not overwritten
+    assert len(read_manifest(held["test"])) == 500
+
+
 def test_prepare_fsdd_digits(fsdd_root: Path, tmp_path: Path) -> None:
     paths = fsdd.prepare_fsdd_digits(fsdd_root, tmp_path / "digits", download=False)
     assert sorted(paths) == ["test", "train", "valid"]

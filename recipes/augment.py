@@ -1,0 +1,128 @@
+"""Waveform augmentation on the device, in training only: speed perturbation and noise.
+
+FSDD has six speakers; a model trained on them alone learns their voices. Two cheap
+perturbations of the waveform, applied to each training batch where it already is (GPU or
+CPU), teach it to ignore who is speaking and in what room:
+
+* **speed perturbation** (Kaldi/ESPnet/SpeechBrain recipes' 0.9/1.0/1.1): the batch is
+  resampled as if it had been played faster or slower, which shifts pitch and formants
+  (a crude vocal-tract-length change) and tempo together; one factor per batch, as
+  ``torchaudio.transforms.SpeedPerturbation`` does (the batch keeps one shape);
+* **additive noise** at a random signal-to-noise ratio per utterance, white or pink
+  (1/f) noise synthesised on the fly: no noise corpus to download.
+
+Gain is not perturbed: the log-mel front end normalises every utterance to zero mean and
+unit variance per mel band, so a gain change does not reach the model.
+
+Random draws come from torch's global generators (the CPU one for choices, the device's
+for noise), which the ``Brain`` saves with every checkpoint: a resumed run draws the same
+perturbations as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torchaudio
+
+
+def pink_noise(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """``[B, T]`` pink (1/f power) noise with unit variance per row, made in the FFT domain."""
+    white = torch.randn(shape, device=device)
+    spectrum = torch.fft.rfft(white, dim=-1)
+    freqs = torch.arange(spectrum.shape[-1], device=device, dtype=white.dtype)
+    spectrum = spectrum / freqs.clamp(min=1.0).sqrt()  # power ~ 1/f
+    noise = torch.fft.irfft(spectrum, n=shape[-1], dim=-1)
+    return noise / noise.std(dim=-1, keepdim=True).clamp(min=1e-8)
+
+
+class WaveAugment(torch.nn.Module):
+    """Speed perturbation and noise at a random SNR for ``[B, T]`` padded waveforms.
+
+    Identity in eval mode. Padding stays zero and the valid lengths follow the speed
+    change, so the features and the CTC lengths of the perturbed batch stay right.
+
+    Args:
+        sample_rate: sample rate of the waveforms (Hz).
+        speeds: speed factors to draw from, one per batch (``[1.0]``: off).
+        noise_prob: probability that an utterance gets noise (0: off).
+        snr_db: ``(low, high)`` range of the signal-to-noise ratio, drawn uniformly in dB.
+        pink_share: share of noisy utterances that get pink instead of white noise.
+    """
+
+    def __init__(
+        self,
+        sample_rate: int,
+        speeds: Sequence[float] = (1.0,),
+        noise_prob: float = 0.0,
+        snr_db: Sequence[float] = (10.0, 30.0),
+        pink_share: float = 0.5,
+    ) -> None:
+        super().__init__()
+        speeds = [float(s) for s in speeds]
+        if not speeds or any(s <= 0 for s in speeds):
+            raise ValueError(
+                f"speeds must be positive factors such as [0.9, 1.0, 1.1]; got {speeds}."
+            )
+        if not 0.0 <= noise_prob <= 1.0 or not 0.0 <= pink_share <= 1.0:
+            raise ValueError("noise_prob and pink_share must lie in [0, 1].")
+        if len(snr_db) != 2 or snr_db[0] > snr_db[1]:
+            raise ValueError(
+                f"snr_db must be [low, high] in dB with low <= high; got {list(snr_db)}."
+            )
+        self.sample_rate = int(sample_rate)
+        self.speeds = speeds
+        self.noise_prob = float(noise_prob)
+        self.snr_db = (float(snr_db[0]), float(snr_db[1]))
+        self.pink_share = float(pink_share)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any perturbation is on."""
+        return self.speeds != [1.0] or self.noise_prob > 0
+
+    def forward(
+        self, wavs: torch.Tensor, wav_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Perturbed ``(wavs, wav_lens)`` in training mode; the inputs in eval mode."""
+        if not self.training or not self.enabled:
+            return wavs, wav_lens
+        wavs, wav_lens = self.perturb_speed(wavs, wav_lens)
+        if self.noise_prob > 0:
+            wavs = self.add_noise(wavs, wav_lens)
+        return wavs, wav_lens
+
+    def perturb_speed(
+        self, wavs: torch.Tensor, wav_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Resample the batch by one speed factor drawn from ``speeds``."""
+        factor = self.speeds[int(torch.randint(len(self.speeds), ()))]
+        if factor == 1.0:
+            return wavs, wav_lens
+        # Played ``factor`` times faster: the audio is read as sampled at sr * factor.
+        source_rate = round(self.sample_rate * factor)
+        out = torchaudio.functional.resample(wavs, source_rate, self.sample_rate)
+        lens = torch.ceil(wav_lens.to(torch.float64) * self.sample_rate / source_rate)
+        lens = lens.to(wav_lens.dtype).clamp(max=out.shape[-1])
+        valid = torch.arange(out.shape[-1], device=out.device) < lens.to(out.device).unsqueeze(1)
+        return out * valid, lens
+
+    def add_noise(self, wavs: torch.Tensor, wav_lens: torch.Tensor) -> torch.Tensor:
+        """Add white or pink noise at a random SNR to a random share of the utterances."""
+        batch, length = wavs.shape
+        device = wavs.device
+        valid = torch.arange(length, device=device) < wav_lens.to(device).unsqueeze(1)
+        count = valid.sum(dim=1, keepdim=True).clamp(min=1)
+        signal_power = (wavs.float().pow(2) * valid).sum(dim=1, keepdim=True) / count
+        low, high = self.snr_db
+        snr = low + (high - low) * torch.rand(batch, 1, device=device)
+        noisy = torch.rand(batch, 1, device=device) < self.noise_prob
+        pink = torch.rand(batch, 1, device=device) < self.pink_share
+        noise = torch.where(
+            pink, pink_noise((batch, length), device), torch.randn(batch, length, device=device)
+        )
+        noise_power = (noise.pow(2) * valid).sum(dim=1, keepdim=True) / count
+        scale = torch.sqrt(signal_power / (10.0 ** (snr / 10.0) * noise_power.clamp(min=1e-12)))
+        scale = scale * noisy
+        return (wavs.float() + noise * scale * valid).to(wavs.dtype)

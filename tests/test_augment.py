@@ -1,0 +1,94 @@
+"""Waveform augmentation: speed perturbation and noise keep lengths, padding and SNR right."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from recipes.augment import WaveAugment, pink_noise
+
+SR = 8000
+
+
+def _batch(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.arange(max(lengths)) / SR
+    wavs = torch.stack([torch.sin(2 * math.pi * 440 * t) for _ in lengths])
+    lens = torch.tensor(lengths)
+    wavs = wavs * (torch.arange(max(lengths)) < lens.unsqueeze(1))
+    return wavs, lens
+
+
+def test_eval_mode_and_defaults_leave_the_batch_untouched() -> None:
+    wavs, lens = _batch([8000, 4000])
+    aug = WaveAugment(SR, speeds=[1.1], noise_prob=1.0).eval()
+    out, out_lens = aug(wavs, lens)
+    assert out is wavs and out_lens is lens
+    off = WaveAugment(SR).train()
+    assert not off.enabled
+    out, out_lens = off(wavs, lens)
+    assert out is wavs and out_lens is lens
+
+
+@pytest.mark.parametrize("factor", [0.9, 1.1])
+def test_speed_changes_lengths_pitch_and_keeps_padding_zero(factor: float) -> None:
+    wavs, lens = _batch([8000, 4000])
+    out, out_lens = WaveAugment(SR, speeds=[factor]).train()(wavs, lens)
+    expected = [math.ceil(n / factor) for n in lens.tolist()]
+    assert out_lens.tolist() == expected
+    assert out.shape[1] >= max(expected)
+    assert out[1, expected[1] :].abs().max() == 0  # padding stays silent
+    # The 440 Hz tone is now at 440 * factor Hz (pitch moves with speed).
+    spectrum = torch.fft.rfft(out[0, : expected[0]]).abs()
+    peak_hz = spectrum.argmax().item() * SR / expected[0]
+    assert peak_hz == pytest.approx(440 * factor, rel=0.01)
+
+
+def test_one_speed_per_batch_drawn_from_the_global_generator() -> None:
+    wavs, lens = _batch([8000])
+    aug = WaveAugment(SR, speeds=[0.9, 1.0, 1.1]).train()
+    torch.manual_seed(0)
+    draws = [aug(wavs, lens)[1].item() for _ in range(30)]
+    assert set(draws) == {math.ceil(8000 / f) for f in (0.9, 1.0, 1.1)}
+    torch.manual_seed(0)
+    assert [aug(wavs, lens)[1].item() for _ in range(30)] == draws  # seeded: resumable
+
+
+@pytest.mark.parametrize("pink_share", [0.0, 1.0])
+def test_noise_reaches_the_drawn_snr_on_valid_samples_only(pink_share: float) -> None:
+    wavs, lens = _batch([16000, 8000])
+    aug = WaveAugment(SR, noise_prob=1.0, snr_db=(20.0, 20.0), pink_share=pink_share).train()
+    torch.manual_seed(1)
+    out, out_lens = aug(wavs, lens)
+    assert torch.equal(out_lens, lens)
+    assert out[1, 8000:].abs().max() == 0
+    for row, n in enumerate(lens.tolist()):
+        noise = out[row, :n] - wavs[row, :n]
+        snr = 10 * math.log10(wavs[row, :n].pow(2).mean() / noise.pow(2).mean())
+        assert snr == pytest.approx(20.0, abs=0.5)
+
+
+def test_noise_probability_spares_the_other_utterances() -> None:
+    wavs, lens = _batch([8000] * 64)
+    torch.manual_seed(2)
+    out, _ = WaveAugment(SR, noise_prob=0.25).train()(wavs, lens)
+    noisy = (out - wavs).abs().amax(dim=1) > 0
+    assert 4 <= int(noisy.sum()) <= 30
+
+
+def test_pink_noise_has_more_power_at_low_frequencies() -> None:
+    torch.manual_seed(3)
+    noise = pink_noise((4, 16000), torch.device("cpu"))
+    power = torch.fft.rfft(noise).abs().pow(2).mean(dim=0)
+    assert power[10:100].mean() > 10 * power[4000:6000].mean()
+    assert noise.std(dim=1) == pytest.approx(torch.ones(4), rel=1e-3)
+
+
+def test_bad_settings_fail_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="speeds"):
+        WaveAugment(SR, speeds=[0.0])
+    with pytest.raises(ValueError, match="snr_db"):
+        WaveAugment(SR, snr_db=(30.0, 10.0))
+    with pytest.raises(ValueError, match="noise_prob"):
+        WaveAugment(SR, noise_prob=2.0)
