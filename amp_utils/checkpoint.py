@@ -246,16 +246,22 @@ class Checkpointer:
         min_keys: Iterable[str] | None = None,
         max_keys: Iterable[str] | None = None,
         predicate: Callable[[Checkpoint], bool] | None = None,
+        num_best: int = 1,
     ) -> Checkpoint | None:
         """Save, then delete all but the ``num_to_keep`` most recent and the best ones.
 
-        The best checkpoint for each key in ``min_keys`` (lowest value) and ``max_keys``
-        (highest value) is always kept, whatever its age. With ``predicate``, only the
-        checkpoints it accepts are candidates for deletion.
+        The ``num_best`` best checkpoints for each key in ``min_keys`` (lowest values) and
+        ``max_keys`` (highest values) are always kept, whatever their age (more than one
+        for checkpoint averaging). With ``predicate``, only the checkpoints it accepts are
+        candidates for deletion.
         """
         ckpt = self.save_checkpoint(meta=meta, end_of_epoch=end_of_epoch)
         self.keep_only(
-            num_to_keep=num_to_keep, min_keys=min_keys, max_keys=max_keys, predicate=predicate
+            num_to_keep=num_to_keep,
+            min_keys=min_keys,
+            max_keys=max_keys,
+            predicate=predicate,
+            num_best=num_best,
         )
         return ckpt
 
@@ -265,13 +271,14 @@ class Checkpointer:
         min_keys: Iterable[str] | None = None,
         max_keys: Iterable[str] | None = None,
         predicate: Callable[[Checkpoint], bool] | None = None,
+        num_best: int = 1,
     ) -> None:
         """Delete checkpoints that are neither among the most recent nor the best.
 
         Under DDP rank 0 deletes; all ranks return once it is done.
         """
         if is_main_process():
-            self._delete_all_but(num_to_keep, min_keys, max_keys, predicate)
+            self._delete_all_but(num_to_keep, min_keys, max_keys, predicate, num_best)
         ddp_barrier()
 
     def _delete_all_but(
@@ -280,19 +287,16 @@ class Checkpointer:
         min_keys: Iterable[str] | None,
         max_keys: Iterable[str] | None,
         predicate: Callable[[Checkpoint], bool] | None,
+        num_best: int = 1,
     ) -> None:
         ckpts = self.list_checkpoints(verify=False)
         if predicate is not None:
             ckpts = [c for c in ckpts if predicate(c)]
         keep = {c.path for c in ckpts[-num_to_keep:]} if num_to_keep > 0 else set()
         for key in min_keys or ():
-            best = self._best(ckpts, key, minimize=True)
-            if best is not None:
-                keep.add(best.path)
+            keep.update(c.path for c in self._ranked(ckpts, key, minimize=True)[:num_best])
         for key in max_keys or ():
-            best = self._best(ckpts, key, minimize=False)
-            if best is not None:
-                keep.add(best.path)
+            keep.update(c.path for c in self._ranked(ckpts, key, minimize=False)[:num_best])
         for ckpt in ckpts:
             if ckpt.path not in keep:
                 _delete(ckpt.path)
@@ -328,12 +332,28 @@ class Checkpointer:
         return meta
 
     @staticmethod
-    def _best(ckpts: list[Checkpoint], key: str, minimize: bool) -> Checkpoint | None:
+    def _ranked(ckpts: list[Checkpoint], key: str, minimize: bool) -> list[Checkpoint]:
+        """Checkpoints that record ``key``, best first (ties: the older first)."""
         scored = [c for c in ckpts if isinstance(c.meta.get(key), int | float)]
-        if not scored:
-            return None
-        pick = min if minimize else max
-        return pick(scored, key=lambda c: c.meta[key])
+        return sorted(scored, key=lambda c: c.meta[key] if minimize else -c.meta[key])
+
+    @classmethod
+    def _best(cls, ckpts: list[Checkpoint], key: str, minimize: bool) -> Checkpoint | None:
+        ranked = cls._ranked(ckpts, key, minimize)
+        return ranked[0] if ranked else None
+
+    def find_best_checkpoints(
+        self, num: int, min_key: str | None = None, max_key: str | None = None
+    ) -> list[Checkpoint]:
+        """The ``num`` best end-of-epoch checkpoints by ``min_key``/``max_key``, best first.
+
+        Without a key (or when no checkpoint records it): the ``num`` most recent ones,
+        newest first. Mid-epoch checkpoints are left out: they hold no validation metrics.
+        """
+        ckpts = [c for c in self.list_checkpoints() if c.end_of_epoch]
+        key, minimize = (min_key, True) if min_key is not None else (max_key, False)
+        ranked = self._ranked(ckpts, key, minimize) if key is not None else []
+        return (ranked or ckpts[::-1])[:num]
 
     def find_checkpoint(
         self, min_key: str | None = None, max_key: str | None = None
@@ -373,6 +393,40 @@ class Checkpointer:
                 ) from err
         logger.info("Loaded checkpoint %s", ckpt.path)
 
+    def load_averaged(
+        self, ckpts: list[Checkpoint], names: Iterable[str], map_location: Any = "cpu"
+    ) -> None:
+        """Load the average of ``ckpts`` into the recoverables ``names`` (e.g. the model).
+
+        Checkpoint averaging (as ESPnet and icefall evaluate): the floating-point tensors
+        of each named state dict are averaged over the checkpoints, in float64 and cast
+        back to their dtype; everything else (integer buffers such as BatchNorm's
+        ``num_batches_tracked``) comes from the first checkpoint. Other recoverables are
+        not touched. One checkpoint: the same as loading it.
+
+        Raises:
+            CheckpointError: no checkpoint, or a named state missing from one of them.
+        """
+        if not ckpts:
+            raise CheckpointError("No checkpoint to average: train at least one epoch first.")
+        names = list(names)
+        states = [
+            read_state(c.path / STATE_FILE, map_location=map_location)["state"] for c in ckpts
+        ]
+        for name in names:
+            lacking = [c.path.name for c, s in zip(ckpts, states, strict=True) if name not in s]
+            if lacking or name not in self.recoverables:
+                raise CheckpointError(
+                    f"Cannot average '{name}': missing from {lacking or 'the recoverables'}."
+                )
+            averaged = average_state_dicts([s[name] for s in states])
+            self.recoverables[name].load_state_dict(averaged)
+        logger.info(
+            "Loaded the average of %d checkpoints: %s",
+            len(ckpts),
+            ", ".join(c.path.name for c in ckpts),
+        )
+
     def recover_if_possible(
         self, min_key: str | None = None, max_key: str | None = None, map_location: Any = "cpu"
     ) -> Checkpoint | None:
@@ -381,3 +435,22 @@ class Checkpointer:
         if ckpt is not None:
             self.load_checkpoint(ckpt, map_location=map_location)
         return ckpt
+
+
+def average_state_dicts(states: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Element-wise mean of the floating-point tensors of several state dicts.
+
+    Non-floating entries (integer buffers, plain values) are taken from the first one.
+    Every state dict must have the same keys and shapes (the same model).
+    """
+    first = states[0]
+    averaged: dict[str, Any] = {}
+    for key, value in first.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            total = torch.zeros_like(value, dtype=torch.float64)
+            for state in states:
+                total += state[key].to(torch.float64)
+            averaged[key] = (total / len(states)).to(value.dtype)
+        else:
+            averaged[key] = value
+    return averaged

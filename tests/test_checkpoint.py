@@ -154,3 +154,42 @@ def test_checkpoint_whose_pickle_runs_code_is_refused_and_runs_nothing(tmp_path)
     assert "\n" not in message and str(planted) in message
     assert "Refused" in message and "system" in message and "weights_only" in message
     assert not marker.exists()  # the command never ran
+
+
+def _epochs_with_cer(tmp_path, cers, num_best):
+    """Save one end-of-epoch checkpoint per CER, weights filled with the epoch number."""
+    model = linear(0.0)
+    model.register_buffer("count", torch.tensor(0))
+    ckpt = Checkpointer(tmp_path, {"model": model})
+    for epoch, cer in enumerate(cers, start=1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(epoch))
+            model.count.fill_(epoch)
+        ckpt.save_and_keep_only(
+            meta={"CER": cer, "epoch": epoch}, num_to_keep=1, min_keys=["CER"], num_best=num_best
+        )
+    return ckpt, model
+
+
+def test_retention_keeps_the_n_best_and_the_newest(tmp_path):
+    ckpt, _ = _epochs_with_cer(tmp_path, [9.0, 3.0, 5.0, 2.0, 7.0, 8.0], num_best=3)
+    kept = sorted(c.meta["epoch"] for c in ckpt.list_checkpoints())
+    assert kept == [2, 3, 4, 6]  # best three (CER 2, 3, 5) + the newest
+
+
+def test_best_checkpoints_are_ranked_and_averaged(tmp_path):
+    ckpt, model = _epochs_with_cer(tmp_path, [9.0, 3.0, 5.0, 2.0], num_best=3)
+    best = ckpt.find_best_checkpoints(3, min_key="CER")
+    assert [c.meta["epoch"] for c in best] == [4, 2, 3]
+    assert [c.meta["epoch"] for c in ckpt.find_best_checkpoints(2)] == [4, 3]  # newest first
+    ckpt.load_averaged(best, ["model"])
+    assert torch.allclose(model.weight, torch.full((2, 2), 3.0))  # mean of epochs 4, 2, 3
+    assert torch.allclose(model.bias, torch.full((2,), 3.0))
+    assert int(model.count) == 4  # integer buffers: from the best checkpoint
+    ckpt.load_averaged(best[:1], ["model"])
+    assert torch.equal(model.weight, torch.full((2, 2), 4.0))  # one: that checkpoint
+    with pytest.raises(CheckpointError, match="No checkpoint to average"):
+        ckpt.load_averaged([], ["model"])
+    with pytest.raises(CheckpointError, match="Cannot average 'optimizer'"):
+        ckpt.load_averaged(best, ["optimizer"])
