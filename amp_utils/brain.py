@@ -71,6 +71,7 @@ from amp_utils.precision import (
     warn_if_emulated,
 )
 from amp_utils.run_options import RunOptions
+from amp_utils.running_mean import RunningMean
 from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class Brain:
         self.hparams = SimpleNamespace(**dict(hparams)) if hparams is not None else None
         # Explicit arguments first; the hparams keys are SpeechBrain's way to pass them.
         self.lr_scheduler_factory = lr_scheduler or (hparams or {}).get("lr_scheduler")
-        self.tensorboard = tensorboard or (hparams or {}).get("tensorboard")
+        tensorboard = tensorboard or (hparams or {}).get("tensorboard")
         self.checkpointer = checkpointer
         self.scaler = make_grad_scaler(self.amp, self.device)
         self.amp_step = AMPOptimizerStep(
@@ -161,7 +162,7 @@ class Brain:
         self.ledger = StepLedger(
             self.run_opts.nonfinite_patience,
             on_applied_step=self._step_lr_scheduler,
-            tensorboard=self.tensorboard,
+            tensorboard=tensorboard,
             log_interval_steps=self.run_opts.log_interval_steps,
             extra_scalars=self._rate_scalars,
         )
@@ -227,9 +228,14 @@ class Brain:
         """Running mean of this epoch's finite training losses (up to the last flush)."""
         return self.ledger.avg_train_loss
 
-    @avg_train_loss.setter
-    def avg_train_loss(self, value: float) -> None:
-        self.ledger.avg_train_loss = value
+    @property
+    def tensorboard(self) -> Any:
+        """The ``TensorBoardLogger`` of the per-step scalars (None: not logged)."""
+        return self.ledger.tensorboard
+
+    @tensorboard.setter
+    def tensorboard(self, logger: Any) -> None:
+        self.ledger.tensorboard = logger
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -473,7 +479,11 @@ class Brain:
         return loss.detach().cpu()
 
     def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
-        """Running mean of the loss over the ``self.step`` batches of this stage."""
+        """Running mean of the loss over the ``self.step`` batches of this stage.
+
+        SpeechBrain's API, kept for recipes written against it; the loops themselves use
+        ``RunningMean`` (which also leaves non-finite losses out of the count).
+        """
         if torch.isfinite(loss):
             avg_loss -= avg_loss / self.step
             avg_loss += float(loss) / self.step
@@ -548,7 +558,7 @@ class Brain:
         skipped_by_sampler = self._set_loader_epoch(train_set, epoch, skip)
         self.step = skip
         if skip == 0:
-            self.ledger.reset_running_mean()
+            self.ledger.train_loss = RunningMean()
         # The bar counts the whole epoch and starts at the resume position: a sampler that
         # skips leaves the finished batches out of len(), else they are skipped here.
         total = len(train_set) if hasattr(train_set, "__len__") else None
@@ -603,7 +613,7 @@ class Brain:
         self.on_stage_start(stage, epoch)
         self.modules.eval()
         self.step = 0
-        avg_loss = 0.0
+        stage_loss = RunningMean()
         desc = f"epoch {self.epoch_label(epoch)} {stage.name.lower()}" if epoch else "test"
         with torch.no_grad():
             for batch in tqdm(loader, dynamic_ncols=True, disable=not enable, desc=desc):
@@ -611,11 +621,13 @@ class Brain:
                     break
                 self.step += 1
                 loss = self.evaluate_batch(batch, stage)
-                avg_loss = self.update_average(loss, avg_loss)
+                stage_loss.add(float(loss))
         if self.distributed.world_size > 1:  # each rank saw its own shard of the split
-            totals = all_reduce_counts({"loss": avg_loss * self.step, "batches": self.step})
-            avg_loss = totals["loss"] / max(totals["batches"], 1)
-        return avg_loss
+            totals = all_reduce_counts(
+                {"loss": stage_loss.mean * stage_loss.count, "batches": stage_loss.count}
+            )
+            return totals["loss"] / max(totals["batches"], 1)
+        return stage_loss.mean
 
     def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
         """Load the best checkpoint by ``max_key``/``min_key`` (else the latest) before testing.
@@ -689,7 +701,7 @@ class Brain:
             "optimizer_step": self.optimizer_step,
             "skipped_steps": self.skipped_steps,
             "avg_train_loss": self.avg_train_loss,
-            "avg_train_loss_count": self.ledger.avg_train_loss_count,
+            "avg_train_loss_count": self.ledger.train_loss.count,
             "precision": self.amp.name,
             "train_stats": train_stats,
             "rng": {
@@ -709,7 +721,7 @@ class Brain:
         self._resume_step = done // self.distributed.world_size
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.ledger.reset_running_mean(
+        self.ledger.train_loss = RunningMean(
             float(state["avg_train_loss"]), int(state.get("avg_train_loss_count", 0))
         )
         self.train_stats = dict(state.get("train_stats", self.train_stats))

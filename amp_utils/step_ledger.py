@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from amp_utils.host_values import HostValues
+from amp_utils.running_mean import RunningMean
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +77,14 @@ class StepLedger:
         self.optimizer_step = 0  # optimizer steps applied in the whole run
         self.skipped_steps = 0  # steps the scaler or the non-finite check skipped
         self.nonfinite_count = 0  # consecutive non-finite losses
-        self.avg_train_loss = 0.0  # running mean of the finite losses of this epoch
+        self.train_loss = RunningMean()  # of this epoch's finite losses
         self.last_grad_norm: float | None = None  # of the last optimizer step read back
-        self.avg_train_loss_count = 0  # finite losses in the running mean
         self._pending: list[PendingBatch] = []
 
-    def reset_running_mean(self, value: float = 0.0, count: int = 0) -> None:
-        """Start the running mean of the training loss again (a new epoch)."""
-        self.avg_train_loss, self.avg_train_loss_count = value, count
+    @property
+    def avg_train_loss(self) -> float:
+        """Mean of this epoch's finite training losses read back so far."""
+        return self.train_loss.mean
 
     def record(
         self,
@@ -138,8 +139,7 @@ class StepLedger:
         values = item.values.get()  # the one read of this batch's values from the device
         loss = values[0]
         if self.count_nonfinite(loss, item.step):
-            self.avg_train_loss_count += 1
-            self.avg_train_loss += (loss - self.avg_train_loss) / self.avg_train_loss_count
+            self.train_loss.add(loss)
         if item.stepped:
             grad_norm, skipped = values[1], values[2] > 0.5
             if skipped:
