@@ -27,7 +27,6 @@ bars and writes checkpoints (``Checkpointer`` is rank-aware).
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant creates a second loader iterator
 
 from amp_utils.amp_step import AMPOptimizerStep, ScalerState
@@ -60,6 +59,7 @@ from amp_utils.interruption import (
     TrainingInterrupted,
     interrupted_error,
 )
+from amp_utils.loaders import make_loader, seeded_generator, start_epoch
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import (
     AUTO,
@@ -70,6 +70,7 @@ from amp_utils.precision import (
     resolve_precision,
     warn_if_emulated,
 )
+from amp_utils.rng_state import capture_rng_state, restore_rng_state
 from amp_utils.run_options import RunOptions
 from amp_utils.running_mean import RunningMean
 from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
@@ -366,26 +367,13 @@ class Brain:
         training loader without its own sampler gets a ``DistributedSampler`` (each rank a
         disjoint, equally long shard, reshuffled per epoch when ``shuffle=True``).
         """
-        loader_kwargs.setdefault("generator", self.loader_generator())
-        has_sampler = {"sampler", "batch_sampler"} & set(loader_kwargs)
-        if stage == Stage.TRAIN and self.distributed.world_size > 1 and not has_sampler:
-            loader_kwargs["sampler"] = DistributedSampler(
-                dataset,
-                num_replicas=self.distributed.world_size,
-                rank=self.distributed.rank,
-                shuffle=bool(loader_kwargs.pop("shuffle", False)),
-                seed=self.run_opts.seed,
-                drop_last=True,
-            )
-        return DataLoader(dataset, **loader_kwargs)
-
-    def loader_generator(self) -> torch.Generator:
-        """A data loader's own generator, seeded with ``run_opts.seed``.
-
-        Loaders without one draw their start-up seed from the global RNG, so a resumed run
-        would see a different random stream than an uninterrupted one.
-        """
-        return torch.Generator().manual_seed(self.run_opts.seed)
+        return make_loader(
+            dataset,
+            self.run_opts.seed,
+            self.distributed,
+            shard=stage == Stage.TRAIN,
+            **loader_kwargs,
+        )
 
     # ------------------------------------------------------------- one batch
     def train_step(self, batch: Any) -> torch.Tensor:
@@ -511,7 +499,7 @@ class Brain:
         for loader in (train_set, valid_set):
             if loader is not None and loader.generator is None:
                 # Keep iterator start-up off the global RNG, so resumes replay exactly.
-                loader.generator = self.loader_generator()
+                loader.generator = seeded_generator(self.run_opts.seed)
         self._epoch_counter = epoch_counter
         if (
             self.checkpointer is not None
@@ -539,38 +527,19 @@ class Brain:
         enable = (not self.run_opts.noprogressbar) if requested is None else requested
         return enable and self.distributed.is_main
 
-    def _set_loader_epoch(self, loader: DataLoader, epoch: int, skip: int) -> bool:
-        """Tell an epoch-aware sampler the epoch; True if it will skip ``skip`` batches."""
-        sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-        for candidate in (sampler, getattr(sampler, "sampler", None)):
-            if hasattr(candidate, "set_epoch"):
-                candidate.set_epoch(epoch)
-                if skip and hasattr(candidate, "skip_batches"):
-                    candidate.skip_batches(skip)
-                    return True
-        return False
-
     def _fit_train(self, train_set: DataLoader, epoch: int, enable: bool) -> None:
         self.on_stage_start(Stage.TRAIN, epoch)
         self.modules.train()
         self.zero_grad()
         skip = self._resume_step
-        skipped_by_sampler = self._set_loader_epoch(train_set, epoch, skip)
         self.step = skip
         if skip == 0:
             self.ledger.train_loss = RunningMean()
-        # The bar counts the whole epoch and starts at the resume position: a sampler that
-        # skips leaves the finished batches out of len(), else they are skipped here.
-        total = len(train_set) if hasattr(train_set, "__len__") else None
-        if total is not None and skipped_by_sampler:
-            total += skip
+        self._epoch_start = time.perf_counter()
+        batches, total = start_epoch(train_set, epoch, skip)
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
-        self._epoch_start = time.perf_counter()
-        batches = iter(train_set)
-        if skip and not skipped_by_sampler:
-            for _ in range(skip):
-                next(batches)
+        # The bar counts the whole epoch and starts at the resume position.
         with tqdm(
             batches,
             initial=skip,
@@ -583,8 +552,7 @@ class Brain:
                 if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
                     break
                 utterances, audio_s = self.batch_stats(batch)
-                self.step += 1
-                self.fit_batch(batch)
+                self.train_step(batch)
                 self.train_stats["utterances"] += utterances
                 self.train_stats["audio_s"] += audio_s
                 self._resume_step = self.step
@@ -704,13 +672,8 @@ class Brain:
             "avg_train_loss_count": self.ledger.train_loss.count,
             "precision": self.amp.name,
             "train_stats": train_stats,
-            "rng": {
-                "python": random.getstate(),
-                "torch": torch.get_rng_state(),
-            },
+            "rng": capture_rng_state(),
         }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -729,11 +692,7 @@ class Brain:
             logger.warning(
                 "Resuming a %s checkpoint with precision=%s.", state["precision"], self.amp.name
             )
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            states = state["rng"]["cuda"][: torch.cuda.device_count()]
-            torch.cuda.set_rng_state_all([s.cpu() for s in states])
+        restore_rng_state(state["rng"])
 
     def global_train_stats(self) -> dict[str, float]:
         """Training time, utterances and audio seconds of all ranks together.
