@@ -153,8 +153,11 @@ class Brain:
         self.opt_class = opt_class
         self.hparams = SimpleNamespace(**dict(hparams)) if hparams is not None else None
         # Explicit arguments first; the hparams keys are SpeechBrain's way to pass them.
-        self.lr_scheduler_factory = lr_scheduler or (hparams or {}).get("lr_scheduler")
-        tensorboard = tensorboard or (hparams or {}).get("tensorboard")
+        if lr_scheduler is None and hparams is not None:
+            lr_scheduler = hparams.get("lr_scheduler")
+        if tensorboard is None and hparams is not None:
+            tensorboard = hparams.get("tensorboard")
+        self.lr_scheduler_factory = lr_scheduler
         self.checkpointer = checkpointer
         self.scaler = make_grad_scaler(self.amp, self.device)
         self.amp_step = AMPOptimizerStep(
