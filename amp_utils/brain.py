@@ -1,61 +1,65 @@
 """``Brain``: the training loop, with the API of SpeechBrain's ``speechbrain.core.Brain``.
 
 A recipe subclasses ``Brain`` and overrides ``compute_forward`` and ``compute_objectives``
-(and usually ``on_stage_end`` for metrics and checkpoints); everything else lives here:
-autocast, loss scaling, gradient clipping over all parameter groups, gradient accumulation,
-non-finite loss handling, checkpoint/resume (also mid-epoch), progress bars, debug mode,
-``torch.compile``, per-step TensorBoard scalars and DistributedDataParallel when the
-process was started by ``torchrun`` (or as a task of a multi-task SLURM job).
+(and usually ``on_stage_end`` for metrics and checkpoints). This module holds the hooks and
+the fit/evaluate loops; each mechanism they call lives in its own module:
 
-Precision rules (learned from SpeechBrain, with its gaps fixed):
+* ``amp_step.py``: scaled backward and the optimizer step (unscale -> clip all parameter
+  groups -> skip on the device -> step -> scaler update), ``ScalerState``;
+* ``step_ledger.py``: the lagged read-back of step values (running training loss,
+  non-finite patience, step counters, per-step TensorBoard scalars);
+* ``interruption.py``: SIGTERM/SIGINT and the mid-epoch checkpoint policy;
+* ``compile.py``: ``torch.compile`` of whole modules or regions, CUDA-graph modes;
+* ``distributed.py``: DDP wrapping, SyncBatchNorm, ``no_sync`` for accumulation.
 
-* forward + objectives run under ``TorchAutocast(device_type=<"cuda"|"cpu">, dtype=...)``;
-  training uses ``precision``, evaluation ``eval_precision``; backward and the optimizer
-  step run outside autocast.
-* a ``torch.amp.GradScaler`` is enabled only for fp16; per optimizer step:
-  ``unscale_`` -> clip **all** parameter groups -> ``scaler.step`` -> ``update`` -> zero grads.
-  Fused/foreach optimizers work, clipping included.
-* the LR scheduler is not stepped when the scaler skipped the optimizer step.
+Precision rules (learned from SpeechBrain, with its gaps fixed): forward + objectives run
+under ``TorchAutocast(device_type=<"cuda"|"cpu">, dtype=...)``; training uses
+``precision``, evaluation ``eval_precision``; backward and the optimizer step run outside
+autocast; a ``GradScaler`` is enabled only for fp16; the LR scheduler is not stepped when
+the step was skipped.
 
-Distributed rules (DDP): modules with trainable parameters are wrapped in
-``DistributedDataParallel`` (optionally with SyncBatchNorm); gradient accumulation runs
-the non-stepping batches under ``no_sync``; the logged loss, its finiteness (so every rank
-skips the same steps), evaluation losses and throughput are reduced over the ranks; the
-decisions to checkpoint mid-epoch or to stop on a signal are taken together; only rank 0
-shows progress bars and writes checkpoints (``Checkpointer`` is rank-aware).
+Distributed rules (DDP): the logged loss, its finiteness (so every rank skips the same
+steps), evaluation losses and throughput are reduced over the ranks; the decisions to
+checkpoint mid-epoch or to stop on a signal are taken together; only rank 0 shows progress
+bars and writes checkpoints (``Checkpointer`` is rank-aware).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import random
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from enum import Enum, auto
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant creates a second loader iterator
 
+from amp_utils.amp_step import AMPOptimizerStep, ScalerState
 from amp_utils.autocast import AMPConfig, TorchAutocast
 from amp_utils.checkpoint import Checkpoint, Checkpointer
+from amp_utils.compile import compile_modules
 from amp_utils.distributed import (
-    DistributedConfigError,
     all_reduce_counts,
     all_reduce_max,
     all_reduce_sum,
-    any_rank,
+    convert_sync_batchnorm,
     init_distributed,
+    no_sync,
+    wrap_ddp,
 )
 from amp_utils.epoch_counter import EpochCounter
-from amp_utils.host_values import HostValues
+from amp_utils.interruption import (
+    MidEpochCheckpointPolicy,
+    StopSignals,
+    TrainingInterrupted,
+    interrupted_error,
+)
+from amp_utils.loaders import make_loader, seeded_generator, start_epoch
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import (
     AUTO,
@@ -66,59 +70,16 @@ from amp_utils.precision import (
     resolve_precision,
     warn_if_emulated,
 )
+from amp_utils.rng_state import capture_rng_state, restore_rng_state
 from amp_utils.run_options import RunOptions
+from amp_utils.running_mean import RunningMean
+from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Brain", "NonFiniteLossError", "Stage", "TrainingInterrupted"]
+
 INTRA_EPOCH_FLAG = "intra_epoch"
-#: torch.compile modes that replay CUDA graphs (cudagraph trees) on CUDA.
-CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-def unwrap_module(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP and ``torch.compile`` wrappers (for its own methods)."""
-    while True:
-        if isinstance(module, DistributedDataParallel):
-            module = module.module
-        elif hasattr(module, "_orig_mod"):  # torch.compile's OptimizedModule
-            module = module._orig_mod
-        else:
-            return module
-
-
-def compile_regions(module: torch.nn.Module, **options: Any) -> int:
-    """Compile each block of the ``ModuleList``s in ``module`` in place; returns how many.
-
-    Regional compilation (PyTorch's recipe for repeated layers): the blocks share their
-    code, so one compile serves all of them -- seconds instead of minutes for a deep
-    encoder (measured on an H100: 16 Conformer blocks, 15-40 s instead of 250 s for the
-    whole model with dynamic shapes). ``Module.compile`` keeps the state-dict keys, so
-    checkpoints load with and without it. Only blocks of the user's own classes count
-    (TorchDynamo does not trace into ``torch.nn`` containers compiled in place); without
-    such blocks the whole module is compiled in place.
-    """
-    blocks: list[torch.nn.Module] = []
-    inside: set[int] = set()  # modules within a block already chosen (nested lists)
-    for child in module.modules():
-        if isinstance(child, torch.nn.ModuleList) and id(child) not in inside:
-            own = [block for block in child if not type(block).__module__.startswith("torch.")]
-            blocks.extend(own)
-            inside.update(id(m) for block in own for m in block.modules())
-    for block in blocks or [module]:
-        block.compile(**options)
-    return len(blocks) or 1
-
-
-def compile_stats() -> dict[str, int]:
-    """Process-wide ``torch.compile`` counters: graphs compiled, recompiles, CUDA-graph skips."""
-    from torch._dynamo.utils import counters
-
-    return {
-        "graphs": int(counters["stats"]["unique_graphs"]),
-        "recompiles": int(sum(counters["recompiles"].values())),
-        "graph_breaks": int(sum(counters["graph_break"].values())),
-        "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]),
-    }
 
 
 class Stage(Enum):
@@ -129,73 +90,6 @@ class Stage(Enum):
     TEST = auto()
 
 
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive non-finite losses: training cannot continue."""
-
-
-class TrainingInterrupted(SystemExit):
-    """SIGTERM/SIGINT arrived; a checkpoint was saved and the run can be resumed."""
-
-
-class _StepInfo(NamedTuple):
-    """Device-side results of an optimizer step, read by the lagged bookkeeping."""
-
-    grad_norm: torch.Tensor
-    skipped: torch.Tensor  # bool scalar
-
-
-class _PendingBatch(NamedTuple):
-    """A trained batch whose loss (and step results) are on their way to the host.
-
-    ``values`` holds the loss, then (if the batch ended with an optimizer step) the
-    gradient norm and the skipped flag, then (fp16) the loss scale after the step.
-    """
-
-    step: int
-    values: HostValues
-    stepped: bool
-
-
-def _step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    """``optimizer.step()`` unless ``skip``; without a host sync for fused optimizers.
-
-    Fused Adam/AdamW/SGD read ``found_inf`` (the GradScaler protocol) and skip the update
-    inside the kernel; other optimizers need the flag on the host.
-    """
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        optimizer.grad_scale = None
-        optimizer.found_inf = skip.to(torch.float32)
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf, optimizer.grad_scale
-    elif not bool(skip):
-        optimizer.step()
-
-
-class _ScalerState:
-    """Checkpoint adapter for the GradScaler that tolerates precision changes on resume.
-
-    Resuming an fp16 run as bf16/fp32 (or the reverse) starts with a fresh scaler instead
-    of failing: the loss scale only means something for fp16.
-    """
-
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"enabled": self.scaler.is_enabled(), "state": self.scaler.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("enabled") and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["state"])
-        elif state.get("enabled") != self.scaler.is_enabled():
-            logger.warning(
-                "Precision changed since the checkpoint: the fp16 loss scaler state is dropped "
-                "and a fresh one is used."
-            )
-
-
 class Brain:
     """Brain class abstracts away the details of data loops.
 
@@ -203,13 +97,19 @@ class Brain:
         modules: name -> ``torch.nn.Module``; moved to the run device, available as
             ``self.modules.<name>``.
         opt_class: called with the modules' parameters to build the optimizer.
-        hparams: any values; available with dot access as ``self.hparams.<name>``. Two keys
-            are understood by the loop itself: ``lr_scheduler`` (a callable
-            ``optimizer -> scheduler`` stepped once per applied optimizer step) and
-            ``tensorboard`` (an ``amp_utils.TensorBoardLogger`` for per-step scalars).
+        hparams: any values; available with dot access as ``self.hparams.<name>``.
         run_opts: a ``RunOptions`` or a dict of its fields (device, precision, ...).
         checkpointer: an ``amp_utils.Checkpointer``; the loop registers the modules (unless
             already registered), its own state, the optimizer, the scaler and the scheduler.
+        lr_scheduler: a callable ``optimizer -> scheduler``; the scheduler is stepped once
+            per applied (not skipped) optimizer step and is ``self.lr_scheduler``. For
+            SpeechBrain compatibility, ``hparams["lr_scheduler"]`` is used when this is None.
+        tensorboard: an ``amp_utils.TensorBoardLogger`` for per-step scalars (loss, lr,
+            gradient norm, loss scale, skipped steps, throughput); ``self.tensorboard``.
+            For SpeechBrain compatibility, ``hparams["tensorboard"]`` is used when None.
+
+    Tools that drive single training steps themselves (benchmarks) call
+    :meth:`train_step` and then :meth:`flush_pending`, never the private state.
 
     Example:
         >>> from torch.optim import SGD
@@ -230,10 +130,10 @@ class Brain:
         hparams: Mapping[str, Any] | None = None,
         run_opts: Mapping[str, Any] | RunOptions | None = None,
         checkpointer: Checkpointer | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        tensorboard: Any = None,
     ) -> None:
         self.run_opts = RunOptions.from_dict(run_opts)
-        for name, value in vars(self.run_opts).items():
-            setattr(self, name, value)
         device = resolve_device(self.run_opts.device)
         self.distributed = init_distributed(self.run_opts.distributed_backend, device.type)
         if self.distributed.enabled and device.type == "cuda":
@@ -245,32 +145,47 @@ class Brain:
         warn_if_emulated(self.amp, self.device)
         configure_tf32(self.device, self.run_opts.allow_tf32)
 
-        self.modules = torch.nn.ModuleDict(self._sync_batchnorm(dict(modules or {})))
+        modules = dict(modules or {})
+        if self.run_opts.sync_batchnorm:
+            modules = convert_sync_batchnorm(modules, self.distributed.world_size, self.device)
+        self.modules = torch.nn.ModuleDict(modules)
         self.modules.to(self.device)
         self.opt_class = opt_class
         self.hparams = SimpleNamespace(**dict(hparams)) if hparams is not None else None
-        self.tensorboard = (hparams or {}).get("tensorboard")
+        # Explicit arguments first; the hparams keys are SpeechBrain's way to pass them.
+        if lr_scheduler is None and hparams is not None:
+            lr_scheduler = hparams.get("lr_scheduler")
+        if tensorboard is None and hparams is not None:
+            tensorboard = hparams.get("tensorboard")
+        self.lr_scheduler_factory = lr_scheduler
         self.checkpointer = checkpointer
         self.scaler = make_grad_scaler(self.amp, self.device)
+        self.amp_step = AMPOptimizerStep(
+            self.scaler, self.run_opts.max_grad_norm, self.run_opts.skip_nonfinite_grads
+        )
+        self.ledger = StepLedger(
+            self.run_opts.nonfinite_patience,
+            on_applied_step=self._step_lr_scheduler,
+            tensorboard=tensorboard,
+            log_interval_steps=self.run_opts.log_interval_steps,
+            extra_scalars=self._rate_scalars,
+        )
+        self.checkpoint_policy = MidEpochCheckpointPolicy(
+            interval_steps=self.run_opts.ckpt_interval_steps,
+            interval_minutes=self.run_opts.ckpt_interval_minutes,
+            world_size=self.distributed.world_size,
+            decide_every=self.run_opts.log_interval_steps,
+        )
+        self.stop_signals = StopSignals()
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizers_dict: dict[str, torch.optim.Optimizer] = {}
         self.lr_scheduler: Any = None
         self.step = 0  # batches done in the current stage
-        self.optimizer_step = 0  # optimizer steps applied in the whole run
-        self.skipped_steps = 0  # steps the scaler or the non-finite check skipped
-        self.nonfinite_count = 0  # consecutive non-finite losses
-        self.avg_train_loss = 0.0
-        self.last_grad_norm: float | None = None  # of the last optimizer step read back
         self.train_stats = {"time_s": 0.0, "utterances": 0, "audio_s": 0.0}
         self._resume_step = 0  # training batches already done in the interrupted epoch
-        self._pending: list[_PendingBatch] = []  # batches whose values are not read yet
-        self._window_finite: torch.Tensor | None = None  # all losses finite since last step
-        self._avg_count = 0  # finite losses in the running average
         self._epoch_start = time.perf_counter()
         self._epoch_counter: Any = None
-        self._stop_signal: int | None = None
-        self._last_ckpt_time = time.time()
         self.evaluated_checkpoint: Checkpoint | None = None  # what the last evaluate loaded
         self._compiled = False
         self._cudagraphs = False  # compiled modules replay CUDA graphs: mark each step
@@ -282,7 +197,54 @@ class Brain:
                 if id(module) not in registered:  # the uncompiled module: stable state keys
                     self.checkpointer.add_recoverable(f"module.{name}", module)
             self.checkpointer.add_recoverable("brain", self)
-            self.checkpointer.add_recoverable("scaler", _ScalerState(self.scaler))
+            self.checkpointer.add_recoverable("scaler", ScalerState(self.scaler))
+
+    # The step ledger's books, under the names SpeechBrain and the recipes use.
+    @property
+    def optimizer_step(self) -> int:
+        """Optimizer steps applied in the whole run (read back one step late)."""
+        return self.ledger.optimizer_step
+
+    @optimizer_step.setter
+    def optimizer_step(self, value: int) -> None:
+        self.ledger.optimizer_step = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped (non-finite loss or gradients, fp16 overflow)."""
+        return self.ledger.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.ledger.skipped_steps = value
+
+    @property
+    def nonfinite_count(self) -> int:
+        """Consecutive non-finite training losses so far."""
+        return self.ledger.nonfinite_count
+
+    @nonfinite_count.setter
+    def nonfinite_count(self, value: int) -> None:
+        self.ledger.nonfinite_count = value
+
+    @property
+    def avg_train_loss(self) -> float:
+        """Running mean of this epoch's finite training losses (up to the last flush)."""
+        return self.ledger.avg_train_loss
+
+    @property
+    def tensorboard(self) -> Any:
+        """The ``TensorBoardLogger`` of the per-step scalars (None: not logged)."""
+        return self.ledger.tensorboard
+
+    @tensorboard.setter
+    def tensorboard(self, logger: Any) -> None:
+        self.ledger.tensorboard = logger
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Gradient norm (before clipping) of the last optimizer step read back."""
+        return self.ledger.last_grad_norm
 
     def _resolve_amp(self, name: str, option: str) -> AMPConfig:
         """AMPConfig of a precision name (``auto``: the device's native one, logged)."""
@@ -332,7 +294,11 @@ class Brain:
     # ------------------------------------------------------------------ setup
     def on_fit_start(self) -> None:
         """Wrap modules for DDP, compile them, build optimizers and resume if possible."""
-        self._wrap_distributed()
+        if self.distributed.enabled and not self._ddp_modules:
+            # The checkpointer keeps the unwrapped modules: same keys with and without DDP.
+            self._ddp_modules = wrap_ddp(
+                self.modules, self.device, self.run_opts.find_unused_parameters
+            )
         self._compile()
         self.init_optimizers()
         if self.checkpointer is not None:
@@ -357,97 +323,28 @@ class Brain:
             return
         self.optimizer = self.opt_class(self.modules.parameters())
         self.optimizers_dict = {"opt_class": self.optimizer}
-        factory = getattr(self.hparams, "lr_scheduler", None) if self.hparams else None
-        if factory is not None:
-            self.lr_scheduler = factory(self.optimizer)
+        if self.lr_scheduler_factory is not None:
+            self.lr_scheduler = self.lr_scheduler_factory(self.optimizer)
         if self.checkpointer is not None:
             self.checkpointer.add_recoverable("optimizer", self.optimizer)
             if self.lr_scheduler is not None:
                 self.checkpointer.add_recoverable("lr_scheduler", self.lr_scheduler)
 
-    def _sync_batchnorm(self, modules: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
-        """With ``sync_batchnorm`` under DDP, BatchNorm layers become SyncBatchNorm."""
-        if not (self.run_opts.sync_batchnorm and self.distributed.world_size > 1):
-            return modules
-        if self.device.type != "cuda":
-            raise DistributedConfigError(
-                "trainer.sync_batchnorm=true needs CUDA: PyTorch's SyncBatchNorm runs on GPUs "
-                "only. Fix: set trainer.sync_batchnorm=false for CPU (gloo) runs."
-            )
-        return {
-            name: torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-            for name, module in modules.items()
-        }
+    def _step_lr_scheduler(self) -> None:
+        """Step the LR scheduler (the ledger calls it once per applied optimizer step)."""
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
-    def _wrap_distributed(self) -> None:
-        """Wrap every module with trainable parameters in DistributedDataParallel.
-
-        The checkpointer keeps the unwrapped modules, so checkpoints have the same keys
-        with and without DDP and load either way.
-        """
-        if not self.distributed.enabled or self._ddp_modules:
-            return
-        for name, module in self.modules.items():
-            if not any(p.requires_grad for p in module.parameters()):
-                continue  # e.g. feature extraction: nothing to synchronise
-            wrapped = DistributedDataParallel(
-                module,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=self.run_opts.find_unused_parameters,
-            )
-            self.modules[name] = wrapped
-            self._ddp_modules.append(wrapped)
-
-    @contextmanager
-    def no_sync(self, use: bool = True) -> Iterator[None]:
-        """Skip DDP's gradient all-reduce inside the block (accumulation batches)."""
-        with ExitStack() as stack:
-            if use:
-                for module in self._ddp_modules:
-                    stack.enter_context(module.no_sync())
-            yield
+    def no_sync(self, use: bool = True) -> Any:
+        """Context that skips DDP's gradient all-reduce (gradient-accumulation batches)."""
+        return no_sync(self._ddp_modules, use)
 
     def _compile(self) -> None:
-        """``torch.compile`` the selected modules (dynamic shapes: one compile per module).
-
-        With a CUDA-graph mode (``reduce-overhead``) on CUDA, each distinct batch shape is
-        captured once and replayed afterwards, which removes the launch overhead of small
-        kernels; batches padded to bucket edges keep the set of shapes small. A graph that
-        cannot be captured runs without CUDA graphs, and PyTorch logs why.
-        """
+        """``torch.compile`` the selected modules once (see ``amp_utils.compile``)."""
         if not self.run_opts.compile or self._compiled:
             return
-        keys = self.run_opts.compile_module_keys or list(self.modules.keys())
-        unknown = sorted(set(keys) - set(self.modules.keys()))
-        if unknown:
-            raise ValueError(
-                f"compile_module_keys {unknown} are not modules; valid: {list(self.modules)}."
-            )
-        backend = self.run_opts.compile_backend
-        regions = self.run_opts.compile_regions and (
-            self.device.type == "cuda" or backend != "inductor"
-        )
-        if self.run_opts.compile_regions and not regions:
-            # torch 2.11's CPU inductor miscompiles regionally compiled Conformer blocks
-            # under dynamic shapes (a mask's symbolic stride is baked in: NaN gradients or
-            # a stride assertion on the second batch shape); the whole module compiles right.
-            logger.warning(
-                "compile_regions with the inductor backend applies on CUDA only; on %s the "
-                "whole modules are compiled (and recompiled for new batch shapes).",
-                self.device,
-            )
-        options = {"mode": self.run_opts.compile_mode, "dynamic": True}
-        if backend != "inductor":
-            options = {"backend": backend, "dynamic": True}  # modes are inductor's
-        for key in keys:
-            if regions:
-                compile_regions(unwrap_module(self.modules[key]), **options)
-            else:
-                self.modules[key] = torch.compile(self.modules[key], **options)
+        self._cudagraphs = compile_modules(self.modules, self.run_opts, self.device)
         self._compiled = True
-        self._cudagraphs = (
-            self.device.type == "cuda" and self.run_opts.compile_mode in CUDAGRAPH_MODES
-        )
 
     def mark_step(self) -> None:
         """Tell cudagraph trees that a new step starts (the last step's outputs may be reused).
@@ -473,21 +370,26 @@ class Brain:
         training loader without its own sampler gets a ``DistributedSampler`` (each rank a
         disjoint, equally long shard, reshuffled per epoch when ``shuffle=True``).
         """
-        if "generator" not in loader_kwargs:
-            loader_kwargs["generator"] = torch.Generator().manual_seed(self.run_opts.seed)
-        has_sampler = {"sampler", "batch_sampler"} & set(loader_kwargs)
-        if stage == Stage.TRAIN and self.distributed.world_size > 1 and not has_sampler:
-            loader_kwargs["sampler"] = DistributedSampler(
-                dataset,
-                num_replicas=self.distributed.world_size,
-                rank=self.distributed.rank,
-                shuffle=bool(loader_kwargs.pop("shuffle", False)),
-                seed=self.run_opts.seed,
-                drop_last=True,
-            )
-        return DataLoader(dataset, **loader_kwargs)
+        return make_loader(
+            dataset,
+            self.run_opts.seed,
+            self.distributed,
+            shard=stage == Stage.TRAIN,
+            **loader_kwargs,
+        )
 
     # ------------------------------------------------------------- one batch
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """One training batch as ``fit`` runs it: count it, then ``fit_batch``.
+
+        The public seam for tools that drive the loop one step at a time (benchmarks):
+        the step, gradient accumulation and the lagged bookkeeping behave as in ``fit``.
+        Call :meth:`flush_pending` afterwards to bring the counters and running loss up
+        to date. Returns the batch's loss as a detached device tensor.
+        """
+        self.step += 1
+        return self.fit_batch(batch)
+
     def fit_batch(self, batch: Any) -> torch.Tensor:
         """Train on one batch: autocast forward, scaled backward, step every N batches.
 
@@ -504,20 +406,12 @@ class Brain:
             with TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype):
                 outputs = self.compute_forward(batch, Stage.TRAIN)
                 loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
-            self.scaler.scale(loss / self.run_opts.grad_accumulation_factor).backward()
+            self.amp_step.backward(loss, self.run_opts.grad_accumulation_factor)
         # Under DDP: the mean over the ranks, so all of them log, count and skip alike.
         global_loss = self._mean_over_ranks(loss.detach())
-        finite = torch.isfinite(global_loss)
-        self._window_finite = (
-            finite if self._window_finite is None else self._window_finite & finite
-        )
+        self.amp_step.observe_loss(global_loss)
         step_info = self.optimizers_step() if should_step else None
-        values = [global_loss]
-        if step_info is not None:
-            values += [step_info.grad_norm, step_info.skipped]
-        if self.scaler.is_enabled():
-            values.append(self.scaler._get_scale_async())  # the tensor, no sync
-        self._pending.append(_PendingBatch(self.step, HostValues(values), step_info is not None))
+        self.ledger.record(self.step, global_loss, step_info, self.amp_step.loss_scale())
         self.on_fit_batch_end(batch, outputs, loss, should_step)
         return loss.detach()
 
@@ -532,109 +426,35 @@ class Brain:
         Raises:
             NonFiniteLossError: after more than ``nonfinite_patience`` consecutive ones.
         """
-        return self._count_nonfinite(float(loss.detach()), self.step)
+        return self.ledger.count_nonfinite(float(loss.detach()), self.step)
 
-    def _count_nonfinite(self, loss: float, step: int) -> bool:
-        if math.isfinite(loss):
-            self.nonfinite_count = 0
-            return True
-        self.nonfinite_count += 1
-        logger.warning(
-            "Non-finite loss (%s) at batch %d: step skipped (%d in a row, patience %d).",
-            loss,
-            step,
-            self.nonfinite_count,
-            self.run_opts.nonfinite_patience,
-        )
-        if self.nonfinite_count > self.run_opts.nonfinite_patience:
-            raise NonFiniteLossError(
-                f"The loss was not finite for {self.nonfinite_count} consecutive batches "
-                f"(nonfinite_patience={self.run_opts.nonfinite_patience}); training stopped. "
-                "Try a lower learning rate, precision=bf16 instead of fp16, a smaller "
-                "trainer.max_grad_norm, or check the input data for silent/corrupt audio."
-            )
-        return False
-
-    def _trained_parameters(self) -> list[torch.Tensor]:
-        return [
-            p
-            for opt in self.optimizers_dict.values()
-            for group in opt.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-
-    def optimizers_step(self) -> _StepInfo | None:
+    def optimizers_step(self) -> StepInfo | None:
         """Unscale, clip all parameter groups, step through the scaler, then zero grads.
 
         Returns the step's gradient norm and whether it was skipped, both as device
-        tensors (read later by the bookkeeping, so that nothing waits here).
+        tensors (read later by the step ledger, so that nothing waits here).
         """
         self.flush_pending()  # the previous step's values are ready by now
-        window_finite, self._window_finite = self._window_finite, None
-        if not self.optimizers_dict:
-            return None
-        for opt in self.optimizers_dict.values():
-            self.scaler.unscale_(opt)
-        params = self._trained_parameters()
-        if not params:
-            self.zero_grad(set_to_none=True)
-            return None
-        if self.run_opts.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.run_opts.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        # Skip on a non-finite loss in the window (and non-finite gradients if asked);
-        # fp16's scaler additionally skips any step with inf/NaN gradients.
-        skip = (
-            ~window_finite
-            if window_finite is not None
-            else torch.zeros((), dtype=torch.bool, device=grad_norm.device)
-        )
-        if self.run_opts.skip_nonfinite_grads or self.scaler.is_enabled():
-            skip = skip | ~torch.isfinite(grad_norm)
-        for opt in self.optimizers_dict.values():
-            if self.scaler.is_enabled():
-                # The scaler checks the gradients only: a non-finite loss whose gradients
-                # are finite must skip too, so its flag joins the scaler's (on the device;
-                # the scaler then also backs off as after an overflow).
-                found = self.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
-                for flag in found.values():
-                    torch.maximum(flag, skip.to(flag), out=flag)
-                self.scaler.step(opt)
-            else:
-                _step_unless(opt, skip)
-        self.scaler.update()
-        self.zero_grad(set_to_none=True)
-        return _StepInfo(grad_norm.detach(), skip)
+        return self.amp_step.step(self.optimizers_dict.values())
 
     def flush_pending(self) -> None:
         """Account for the batches whose values are pending (syncs with the device).
 
         The fit loop calls it at the end of each epoch and before a checkpoint; call it
-        after driving ``fit_batch`` yourself to get its counters and running loss up to date.
+        after driving ``train_step`` yourself to get its counters and running loss up to date.
         """
-        pending, self._pending = self._pending, []
-        for item in pending:
-            self._account(item)
+        self.ledger.flush()
 
-    def _account(self, item: _PendingBatch) -> None:
-        values = item.values.get()  # the one read of this batch's values from the device
-        loss = values[0]
-        if self._count_nonfinite(loss, item.step):
-            self._avg_count += 1
-            self.avg_train_loss += (loss - self.avg_train_loss) / self._avg_count
-        if item.stepped:
-            grad_norm, skipped = values[1], values[2] > 0.5
-            if skipped:
-                self.skipped_steps += 1
-            else:
-                self.optimizer_step += 1
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            self.last_grad_norm = grad_norm
-        scale = values[-1] if self.scaler.is_enabled() else None
-        self._log_train_step(item, loss, scale)
+    def _rate_scalars(self) -> dict[str, float]:
+        """Learning rate and training throughput, for the ledger's per-step scalars."""
+        scalars: dict[str, float] = {}
+        if self.optimizer is not None:
+            scalars["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        elapsed = self.train_stats["time_s"] + time.perf_counter() - self._epoch_start
+        if elapsed > 0:  # under DDP: rank 0's rate times the world size (cheap estimate)
+            rate = self.train_stats["utterances"] / elapsed
+            scalars["train/utterances_per_s"] = rate * self.distributed.world_size
+        return scalars
 
     @torch.no_grad()
     def evaluate_batch(self, batch: Any, stage: Stage) -> torch.Tensor:
@@ -650,7 +470,11 @@ class Brain:
         return loss.detach().cpu()
 
     def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
-        """Running mean of the loss over the ``self.step`` batches of this stage."""
+        """Running mean of the loss over the ``self.step`` batches of this stage.
+
+        SpeechBrain's API, kept for recipes written against it; the loops themselves use
+        ``RunningMean`` (which also leaves non-finite losses out of the count).
+        """
         if torch.isfinite(loss):
             avg_loss -= avg_loss / self.step
             avg_loss += float(loss) / self.step
@@ -678,7 +502,7 @@ class Brain:
         for loader in (train_set, valid_set):
             if loader is not None and loader.generator is None:
                 # Keep iterator start-up off the global RNG, so resumes replay exactly.
-                loader.generator = torch.Generator().manual_seed(self.run_opts.seed)
+                loader.generator = seeded_generator(self.run_opts.seed)
         self._epoch_counter = epoch_counter
         if (
             self.checkpointer is not None
@@ -689,7 +513,7 @@ class Brain:
         self.on_fit_start()
         enable = self._progressbar(progressbar)
         reset_peak_memory(self.device)
-        with self._stop_signals_caught():
+        with self.stop_signals:
             for epochs_run, epoch in enumerate(epoch_counter, start=1):
                 self._fit_train(train_set, epoch, enable)
                 self._fit_valid(valid_set, epoch, enable)
@@ -706,38 +530,19 @@ class Brain:
         enable = (not self.run_opts.noprogressbar) if requested is None else requested
         return enable and self.distributed.is_main
 
-    def _set_loader_epoch(self, loader: DataLoader, epoch: int, skip: int) -> bool:
-        """Tell an epoch-aware sampler the epoch; True if it will skip ``skip`` batches."""
-        sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-        for candidate in (sampler, getattr(sampler, "sampler", None)):
-            if hasattr(candidate, "set_epoch"):
-                candidate.set_epoch(epoch)
-                if skip and hasattr(candidate, "skip_batches"):
-                    candidate.skip_batches(skip)
-                    return True
-        return False
-
     def _fit_train(self, train_set: DataLoader, epoch: int, enable: bool) -> None:
         self.on_stage_start(Stage.TRAIN, epoch)
         self.modules.train()
         self.zero_grad()
         skip = self._resume_step
-        skipped_by_sampler = self._set_loader_epoch(train_set, epoch, skip)
         self.step = skip
         if skip == 0:
-            self.avg_train_loss, self._avg_count = 0.0, 0
-        # The bar counts the whole epoch and starts at the resume position: a sampler that
-        # skips leaves the finished batches out of len(), else they are skipped here.
-        total = len(train_set) if hasattr(train_set, "__len__") else None
-        if total is not None and skipped_by_sampler:
-            total += skip
+            self.ledger.train_loss = RunningMean()
+        self._epoch_start = time.perf_counter()
+        batches, total = start_epoch(train_set, epoch, skip)
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
-        self._epoch_start = time.perf_counter()
-        batches = iter(train_set)
-        if skip and not skipped_by_sampler:
-            for _ in range(skip):
-                next(batches)
+        # The bar counts the whole epoch and starts at the resume position.
         with tqdm(
             batches,
             initial=skip,
@@ -750,8 +555,7 @@ class Brain:
                 if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
                     break
                 utterances, audio_s = self.batch_stats(batch)
-                self.step += 1
-                self.fit_batch(batch)
+                self.train_step(batch)
                 self.train_stats["utterances"] += utterances
                 self.train_stats["audio_s"] += audio_s
                 self._resume_step = self.step
@@ -767,23 +571,6 @@ class Brain:
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
 
-    def _log_train_step(self, item: _PendingBatch, loss: float, scale: float | None) -> None:
-        if self.tensorboard is None or item.step % self.run_opts.log_interval_steps:
-            return
-        scalars: dict[str, float] = {"train/loss": loss}
-        if self.optimizer is not None:
-            scalars["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        if item.stepped and self.last_grad_norm is not None:
-            scalars["train/grad_norm"] = self.last_grad_norm
-        if scale is not None:
-            scalars["train/loss_scale"] = scale
-        scalars["train/skipped_steps"] = self.skipped_steps
-        elapsed = self.train_stats["time_s"] + time.perf_counter() - self._epoch_start
-        if elapsed > 0:  # under DDP: rank 0's rate times the world size (cheap estimate)
-            rate = self.train_stats["utterances"] / elapsed
-            scalars["train/utterances_per_s"] = rate * self.distributed.world_size
-        self.tensorboard.log_scalars(scalars, step=self.optimizer_step + self.skipped_steps)
-
     def _fit_valid(self, valid_set: DataLoader | None, epoch: int, enable: bool) -> None:
         if valid_set is None:
             return
@@ -797,7 +584,7 @@ class Brain:
         self.on_stage_start(stage, epoch)
         self.modules.eval()
         self.step = 0
-        avg_loss = 0.0
+        stage_loss = RunningMean()
         desc = f"epoch {self.epoch_label(epoch)} {stage.name.lower()}" if epoch else "test"
         with torch.no_grad():
             for batch in tqdm(loader, dynamic_ncols=True, disable=not enable, desc=desc):
@@ -805,11 +592,13 @@ class Brain:
                     break
                 self.step += 1
                 loss = self.evaluate_batch(batch, stage)
-                avg_loss = self.update_average(loss, avg_loss)
+                stage_loss.add(float(loss))
         if self.distributed.world_size > 1:  # each rank saw its own shard of the split
-            totals = all_reduce_counts({"loss": avg_loss * self.step, "batches": self.step})
-            avg_loss = totals["loss"] / max(totals["batches"], 1)
-        return avg_loss
+            totals = all_reduce_counts(
+                {"loss": stage_loss.mean * stage_loss.count, "batches": stage_loss.count}
+            )
+            return totals["loss"] / max(totals["batches"], 1)
+        return stage_loss.mean
 
     def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
         """Load the best checkpoint by ``max_key``/``min_key`` (else the latest) before testing.
@@ -846,39 +635,18 @@ class Brain:
 
     # ------------------------------------------------------------ checkpoints
     def _maybe_save_intra_epoch(self) -> None:
-        stop = self._stop_signal is not None
-        by_time = (
-            self.checkpointer is not None
-            and self.run_opts.ckpt_interval_minutes > 0
-            and time.time() - self._last_ckpt_time >= self.run_opts.ckpt_interval_minutes * 60
+        """Save mid-epoch when the policy says so; after a signal, save and exit."""
+        decision = self.checkpoint_policy.decide(
+            updates=self.step // self.run_opts.grad_accumulation_factor,
+            optimizer_step=self.optimizer_step,
+            signal_received=self.stop_signals.received is not None,
+            can_save=self.checkpointer is not None,
         )
-        if self.distributed.world_size > 1:
-            # Ranks receive signals and read clocks at different moments: they decide
-            # together, every log_interval_steps optimizer steps, so that all of them
-            # save (and stop) after the same batch.
-            updates = self.step // self.run_opts.grad_accumulation_factor
-            if updates % self.run_opts.log_interval_steps:
-                stop = by_time = False
-            else:
-                stop, by_time = any_rank(stop, by_time)
-        if stop:
+        if decision.save:
             self._save_intra_epoch_ckpt()
-            signum = self._stop_signal or signal.SIGTERM  # another rank's signal
-            name = signal.Signals(signum).name
-            raise TrainingInterrupted(
-                f"Received {name}: saved a checkpoint at epoch "
-                f"{getattr(self._epoch_counter, 'current', '?')}, batch {self.step}. "
-                "Run the same command again to resume where it stopped."
-            )
-        if self.checkpointer is None:
-            return
-        by_steps = (
-            self.run_opts.ckpt_interval_steps > 0
-            and self.optimizer_step > 0
-            and self.optimizer_step % self.run_opts.ckpt_interval_steps == 0
-        )
-        if by_steps or by_time:
-            self._save_intra_epoch_ckpt()
+        if decision.stop:
+            epoch = getattr(self._epoch_counter, "current", "?")
+            raise interrupted_error(self.stop_signals.received, epoch, self.step)
 
     def _save_intra_epoch_ckpt(self) -> None:
         """Save a mid-epoch checkpoint, keeping only the newest mid-epoch one."""
@@ -891,32 +659,7 @@ class Brain:
             num_to_keep=1,
             predicate=lambda ckpt: bool(ckpt.meta.get(INTRA_EPOCH_FLAG)),
         )
-        self._last_ckpt_time = time.time()
-
-    def _stop_signals_caught(self) -> Any:
-        """Context in which SIGTERM/SIGINT request a checkpoint and a clean exit."""
-        brain = self
-
-        class _Catch:
-            def __enter__(self) -> None:
-                self.previous = {}
-                if threading.current_thread() is not threading.main_thread():
-                    return
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    self.previous[sig] = signal.signal(sig, self._handle)
-
-            @staticmethod
-            def _handle(signum: int, frame: Any) -> None:
-                if brain._stop_signal is not None:  # second signal: stop now
-                    raise KeyboardInterrupt
-                brain._stop_signal = signum
-                logger.warning("Received signal %d: checkpointing after this batch.", signum)
-
-            def __exit__(self, *exc: Any) -> None:
-                for sig, handler in self.previous.items():
-                    signal.signal(sig, handler)
-
-        return _Catch()
+        self.checkpoint_policy.saved()
 
     def state_dict(self) -> dict[str, Any]:
         """Loop position, counters and RNG states, saved with every checkpoint."""
@@ -929,15 +672,11 @@ class Brain:
             "optimizer_step": self.optimizer_step,
             "skipped_steps": self.skipped_steps,
             "avg_train_loss": self.avg_train_loss,
+            "avg_train_loss_count": self.ledger.train_loss.count,
             "precision": self.amp.name,
             "train_stats": train_stats,
-            "rng": {
-                "python": random.getstate(),
-                "torch": torch.get_rng_state(),
-            },
+            "rng": capture_rng_state(),
         }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -948,17 +687,15 @@ class Brain:
         self._resume_step = done // self.distributed.world_size
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.avg_train_loss = float(state["avg_train_loss"])
+        self.ledger.train_loss = RunningMean(
+            float(state["avg_train_loss"]), int(state.get("avg_train_loss_count", 0))
+        )
         self.train_stats = dict(state.get("train_stats", self.train_stats))
         if state.get("precision") not in (None, self.amp.name):
             logger.warning(
                 "Resuming a %s checkpoint with precision=%s.", state["precision"], self.amp.name
             )
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            states = state["rng"]["cuda"][: torch.cuda.device_count()]
-            torch.cuda.set_rng_state_all([s.cpu() for s in states])
+        restore_rng_state(state["rng"])
 
     def global_train_stats(self) -> dict[str, float]:
         """Training time, utterances and audio seconds of all ranks together.

@@ -7,7 +7,9 @@ a multi-task SLURM job sent by Hydra's submitit launcher:
   with several tasks gets them exported from its SLURM (or local) job environment;
 * ``init_distributed`` starts the process group once (nccl on CUDA, gloo on CPU unless
   told otherwise) and pins each process to its own GPU;
-* every helper here is a no-op in a single process, so recipes call them unconditionally.
+* every helper here is a no-op in a single process, so recipes call them unconditionally;
+* the Brain wraps its modules with ``wrap_ddp`` (after ``convert_sync_batchnorm``) and runs
+  gradient-accumulation batches under ``no_sync``.
 
 The API follows SpeechBrain's ``speechbrain.utils.distributed`` (``run_on_main``,
 ``if_main_process``, ``ddp_barrier``), with one addition: ``run_on_main`` hands the main
@@ -20,12 +22,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 logger = logging.getLogger(__name__)
 
@@ -266,3 +270,62 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=_control_group)
     return tuple(bool(v) for v in values.tolist())
+
+
+def convert_sync_batchnorm(
+    modules: dict[str, torch.nn.Module], world_size: int, device: torch.device
+) -> dict[str, torch.nn.Module]:
+    """The modules with their BatchNorm layers as SyncBatchNorm (statistics over all ranks).
+
+    A no-op in a single process.
+
+    Raises:
+        DistributedConfigError: several processes on a device other than CUDA.
+    """
+    if world_size <= 1:
+        return modules
+    if device.type != "cuda":
+        raise DistributedConfigError(
+            "trainer.sync_batchnorm=true needs CUDA: PyTorch's SyncBatchNorm runs on GPUs "
+            "only. Fix: set trainer.sync_batchnorm=false for CPU (gloo) runs."
+        )
+    return {
+        name: torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        for name, module in modules.items()
+    }
+
+
+def wrap_ddp(
+    modules: torch.nn.ModuleDict, device: torch.device, find_unused_parameters: bool = False
+) -> list[DistributedDataParallel]:
+    """Wrap, in place, every module with trainable parameters in DistributedDataParallel.
+
+    Modules without trainable parameters (e.g. feature extraction) stay as they are:
+    there is nothing to synchronise. Callers keep the unwrapped modules for checkpoints,
+    so checkpoints have the same keys with and without DDP.
+
+    Returns:
+        The DDP wrappers, for :func:`no_sync`.
+    """
+    wrapped: list[DistributedDataParallel] = []
+    for name, module in modules.items():
+        if not any(p.requires_grad for p in module.parameters()):
+            continue
+        ddp = DistributedDataParallel(
+            module,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=find_unused_parameters,
+        )
+        modules[name] = ddp
+        wrapped.append(ddp)
+    return wrapped
+
+
+@contextmanager
+def no_sync(ddp_modules: Sequence[DistributedDataParallel], use: bool = True) -> Iterator[None]:
+    """Skip DDP's gradient all-reduce inside the block when ``use`` (accumulation batches)."""
+    with ExitStack() as stack:
+        if use:
+            for module in ddp_modules:
+                stack.enter_context(module.no_sync())
+        yield

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from amp_utils.distributed import BACKENDS
@@ -44,7 +44,6 @@ class RunOptions:
     distributed_backend: str = "auto"  # DDP backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
     sync_batchnorm: bool = False  # under DDP, BatchNorm statistics over all ranks (CUDA only)
     find_unused_parameters: bool = False  # DDP: allow parameters without gradients in a step
-    extra: dict[str, Any] = field(default_factory=dict)  # recipe-specific options
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | RunOptions | None) -> RunOptions:

@@ -38,7 +38,7 @@ from amp_utils import (
     resolve_device,
 )
 from amp_utils.atomic import atomic_write_json
-from amp_utils.brain import compile_stats
+from amp_utils.compile import compile_stats
 from amp_utils.distributed import (
     DistributedInfo,
     any_rank,

@@ -559,3 +559,58 @@ def test_brain_trains_on_cuda_with_fused_adamw(cuda_device, precision):
     assert brain.seen_dtypes[Stage.TRAIN] == PRECISIONS[precision]
     assert brain.scaler.is_enabled() == (precision == "fp16")
     assert all(torch.isfinite(p).all() for p in brain.modules.parameters())
+
+
+class RecordingLogger:
+    """A stand-in ``TensorBoardLogger`` that keeps the scalars it is given."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def log_scalars(self, scalars, step):
+        self.scalars.append((step, dict(scalars)))
+
+
+@pytest.mark.parametrize("passed_as", ["arguments", "hparams"])
+def test_scheduler_and_logger_are_arguments_and_hparams_keys_still_work(passed_as):
+    def schedule(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    tensorboard = RecordingLogger()
+    both = {"lr_scheduler": schedule, "tensorboard": tensorboard}
+    brain = RegressionBrain(
+        {"model": make_model()},
+        sgd(),
+        hparams=both if passed_as == "hparams" else None,
+        run_opts=run_opts(log_interval_steps=1),
+        **(both if passed_as == "arguments" else {}),
+    )
+    brain.fit(range(1), DataLoader(make_data(16), batch_size=4))
+    assert brain.optimizer_step == 4 and brain.lr_scheduler.last_epoch == 4
+    assert [step for step, _ in tensorboard.scalars] == [1, 2, 3, 4]
+    first = tensorboard.scalars[0][1]
+    assert first["train/lr"] == 0.05 * 0.5 and "train/grad_norm" in first
+
+
+def test_train_step_drives_the_loop_like_fit():
+    data = list(DataLoader(make_data(16), batch_size=4))
+    by_fit = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    by_fit.fit(range(1), data)
+    by_step = RegressionBrain(
+        {"model": make_model()}, sgd(), run_opts=run_opts(grad_accumulation_factor=2)
+    )
+    by_step.on_fit_start()
+    for batch in data:
+        by_step.train_step(batch)
+    by_step.flush_pending()
+    assert by_step.step == 4 and by_step.optimizer_step == 2  # every second batch steps
+    assert by_step.avg_train_loss > 0
+    single = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    single.on_fit_start()
+    for batch in data:
+        single.train_step(batch)
+    single.flush_pending()
+    assert single.optimizer_step == by_fit.optimizer_step == 4
+    assert single.avg_train_loss == pytest.approx(by_fit.avg_train_loss)
+    for p, q in zip(params_of(by_fit), params_of(single), strict=True):
+        assert torch.equal(p, q)

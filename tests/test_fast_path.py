@@ -13,7 +13,7 @@ import torch
 
 from amp_utils import Brain, Stage
 from amp_utils.autocast import AMPConfig
-from amp_utils.brain import compile_regions
+from amp_utils.compile import compile_regions
 from amp_utils.precision import resolve_precision, warn_if_emulated
 from data.dataset import PadToBuckets, collate_audio
 from data.fsdd import prepare_fsdd_digits

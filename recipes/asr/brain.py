@@ -6,7 +6,7 @@ import torch
 import torchaudio
 
 from amp_utils import Stage
-from amp_utils.brain import unwrap_module
+from amp_utils.compile import unwrap_module
 from data.dataset import AudioBatch
 from data.text import ctc_greedy_decode
 from recipes.asr.model import ctc_log_probs, ctc_loss

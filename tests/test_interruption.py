@@ -1,0 +1,54 @@
+"""Mid-epoch checkpoint policy and signal catching, without a training loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from amp_utils.interruption import (
+    MidEpochCheckpointPolicy,
+    MidEpochDecision,
+    StopSignals,
+    TrainingInterrupted,
+    interrupted_error,
+)
+
+
+def test_policy_saves_every_n_steps_and_only_with_a_checkpointer():
+    policy = MidEpochCheckpointPolicy(interval_steps=3)
+    saves = [policy.decide(s, s, False, can_save=True).save for s in range(1, 8)]
+    assert saves == [False, False, True, False, False, True, False]
+    assert policy.decide(3, 3, False, can_save=False) == MidEpochDecision(False, False)
+
+
+def test_policy_saves_by_time_and_the_clock_restarts_after_a_save():
+    policy = MidEpochCheckpointPolicy(interval_minutes=1.0)
+    assert not policy.decide(1, 1, False, can_save=True).save
+    policy.last_save_time -= 61
+    assert policy.decide(2, 2, False, can_save=True).save
+    policy.saved()
+    assert not policy.decide(3, 3, False, can_save=True).save
+
+
+def test_a_signal_means_save_and_stop_even_without_a_checkpointer():
+    policy = MidEpochCheckpointPolicy()
+    assert policy.decide(1, 0, True, can_save=False) == MidEpochDecision(True, True)
+
+
+def test_stop_signals_remember_the_first_and_restore_the_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as caught:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert caught.received == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_interrupted_error_names_the_signal_and_how_to_resume():
+    error = interrupted_error(signal.SIGINT, 2, 5)
+    assert isinstance(error, TrainingInterrupted)
+    assert "SIGINT" in str(error) and "epoch 2, batch 5" in str(error)
+    assert "Run the same command again" in str(error)
