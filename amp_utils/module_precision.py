@@ -45,6 +45,14 @@ def named_modules_of(
     return named
 
 
+def names_near(names: list[str], pattern: str) -> list[str]:
+    """The names most like ``pattern``: same first part and depth, else same first part."""
+    first, depth = pattern.split(".")[0], pattern.count(".")
+    same_root = [n for n in names if fnmatch.fnmatch(n.split(".")[0], first)] or names
+    same_depth = [n for n in same_root if n.count(".") == depth]
+    return same_depth or same_root
+
+
 def match_module_patterns(names: Iterable[str], patterns: Iterable[str]) -> list[str]:
     """Names matching any of ``patterns`` (in ``names`` order).
 
@@ -57,8 +65,13 @@ def match_module_patterns(names: Iterable[str], patterns: Iterable[str]) -> list
     for pattern in patterns:
         hits = fnmatch.filter(names, pattern)
         if not hits:
-            shown = ", ".join(names[:NAMES_SHOWN_IN_ERROR])
-            more = f", ... ({len(names)} in all)" if len(names) > NAMES_SHOWN_IN_ERROR else ""
+            nearby = names_near(names, pattern)
+            shown = ", ".join(nearby[:NAMES_SHOWN_IN_ERROR])
+            more = (
+                f", ... ({len(nearby)} of {len(names)})"
+                if len(nearby) > NAMES_SHOWN_IN_ERROR
+                else ""
+            )
             raise UnknownModulePatternError(
                 f"precision.fp32_modules: pattern {pattern!r} matches no module; module "
                 f"names are dotted paths such as: {shown}{more}."

@@ -50,7 +50,9 @@ class FloatFormat:
     @classmethod
     def of(cls, name: str, dtype: torch.dtype) -> FloatFormat:
         info = torch.finfo(dtype)
-        return cls(name, info.max, info.smallest_normal, info.smallest_normal * info.eps, info.eps / 2)
+        return cls(
+            name, info.max, info.smallest_normal, info.smallest_normal * info.eps, info.eps / 2
+        )
 
 
 #: fp16: max 65504, normal from 2^-14, subnormal from 2^-24; bf16: fp32's range, 8 bits.
@@ -129,6 +131,7 @@ class ModuleStats:
     max_abs_autocast: float = 0.0  # largest |output| under autocast (inf if it overflowed)
     nonfinite_autocast: int = 0  # non-finite under autocast where fp32 is finite
     relative_error: float = 0.0  # worst call's ||y - y_fp32|| / ||y_fp32||
+    reduced_calls: int = 0  # calls whose output came out in fp16/bf16 (not pinned to fp32)
     ranges: dict[str, RangeCounts] = field(
         default_factory=lambda: {name: RangeCounts() for name in FORMATS}
     )
@@ -220,9 +223,7 @@ class ActivationProbe:
 
     def __enter__(self) -> ActivationProbe:
         for name, module in self.named.items():
-            self._handles.append(
-                module.register_forward_hook(self._hook(name), with_kwargs=True)
-            )
+            self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -255,6 +256,8 @@ class ActivationProbe:
     ) -> None:
         stats = self.stats[name]
         stats.calls += 1
+        if any(out.dtype in (torch.float16, torch.bfloat16) for out in outputs):
+            stats.reduced_calls += 1
         error_sq = reference_sq = 0.0
         for out, ref in zip(outputs, reference, strict=False):
             out, ref = out.detach().float(), ref.detach().float()
@@ -265,9 +268,7 @@ class ActivationProbe:
             stats.nonzero += int((ref_values != 0).sum())
             if ref_values.numel():
                 stats.max_abs = max(stats.max_abs, float(ref_values.abs().max()))
-                stats.max_abs_autocast = max(
-                    stats.max_abs_autocast, float(out_values.abs().max())
-                )
+                stats.max_abs_autocast = max(stats.max_abs_autocast, float(out_values.abs().max()))
             broken = ~torch.isfinite(out_values)
             stats.nonfinite_autocast += int(broken.sum())
             for fmt_name, fmt in FORMATS.items():
@@ -370,6 +371,7 @@ class ModuleVerdict:
     flush_to_zero_share: dict[str, float]  # of nonzero values, by format
     subnormal_share: dict[str, float]  # of nonzero values, by format
     nonfinite_autocast_share: float
+    range_checked: list[str]  # formats whose range applies to the module's output
 
 
 @dataclass
@@ -444,9 +446,11 @@ def module_verdict(stats: ModuleStats, precision: str) -> ModuleVerdict:
     nonfinite_share = stats.share(stats.nonfinite_autocast)
     fmt = FORMATS.get(precision)
     tolerance = ERROR_TOLERANCE_ROUNDOFFS * fmt.unit_roundoff if fmt else None
-    checked = [precision] if fmt else list(FORMATS)
+    checked = range_checked_formats(stats, precision)
+    # The verdict is about the precision in use; an fp32 run predicts both formats.
+    judged = [name for name in checked if precision not in FORMATS or name == precision]
     verdict, reason = FINE, "within range and tolerance"
-    for name in checked:
+    for name in judged:
         if overflow[name] > OVERFLOW_SHARE_LIMIT or (name == precision and nonfinite_share > 0):
             fits_bf16 = overflow["bf16"] <= OVERFLOW_SHARE_LIMIT
             verdict = PREFER_BF16 if name == "fp16" and fits_bf16 else KEEP_FP32
@@ -465,6 +469,8 @@ def module_verdict(stats: ModuleStats, precision: str) -> ModuleVerdict:
             f"{precision} relative error {stats.relative_error:.3g} > tolerance "
             f"{tolerance:.3g} ({ERROR_TOLERANCE_ROUNDOFFS:g} unit roundoffs)"
         )
+    if verdict == FINE and fmt is not None and not checked:
+        reason = "output stays fp32 under autocast; error within tolerance"
     fix = None
     if verdict == KEEP_FP32:
         fix = fp32_modules_line([stats.name])
@@ -484,7 +490,21 @@ def module_verdict(stats: ModuleStats, precision: str) -> ModuleVerdict:
         flush_to_zero_share=flush,
         subnormal_share=subnormal,
         nonfinite_autocast_share=nonfinite_share,
+        range_checked=checked,
     )
+
+
+def range_checked_formats(stats: ModuleStats, precision: str) -> list[str]:
+    """The formats whose range a module's output must fit.
+
+    An fp32 run predicts both formats from the fp32 values. Under autocast, a module
+    whose output stays fp32 (pinned in code, e.g. with ``fwd_default_precision``, or an
+    op autocast keeps in fp32) stores nothing in the reduced format: no range applies
+    (its error is still measured).
+    """
+    if precision not in FORMATS:
+        return list(FORMATS)
+    return list(FORMATS) if stats.reduced_calls else []
 
 
 def parameter_verdict(stats: ParameterStats) -> ParameterVerdict:
@@ -501,7 +521,9 @@ def parameter_verdict(stats: ParameterStats) -> ParameterVerdict:
 
 
 def _module_sort_key(m: ModuleVerdict) -> tuple:
-    worst_share = max(max(m.overflow_share.values()), max(m.flush_to_zero_share.values()))
+    shares = [m.overflow_share[f] for f in m.range_checked]
+    shares += [m.flush_to_zero_share[f] for f in m.range_checked]
+    worst_share = max(shares, default=0.0)
     return (VERDICT_RANK[m.verdict], -worst_share, -_finite_or_big(m.relative_error), m.name)
 
 
@@ -548,12 +570,20 @@ def _overall(
 ) -> tuple[str, bool]:
     """One sentence on whether ``fmt`` is safe for the model, and the boolean."""
     limit = FORMATS[fmt]
-    overflows = [m.name for m in modules if m.overflow_share[fmt] > OVERFLOW_SHARE_LIMIT]
+    overflows = [
+        m.name
+        for m in modules
+        if fmt in m.range_checked and m.overflow_share[fmt] > OVERFLOW_SHARE_LIMIT
+    ]
     if fmt == precision:
         overflows += [
             m.name for m in modules if m.nonfinite_autocast_share > 0 and m.name not in overflows
         ]
-    underflows = [m.name for m in modules if m.flush_to_zero_share[fmt] > UNDERFLOW_SHARE_LIMIT]
+    underflows = [
+        m.name
+        for m in modules
+        if fmt in m.range_checked and m.flush_to_zero_share[fmt] > UNDERFLOW_SHARE_LIMIT
+    ]
     imprecise = (
         [m.name for m in modules if m.verdict == KEEP_FP32 and "relative error" in m.reason]
         if fmt == precision
@@ -562,7 +592,9 @@ def _overall(
     grads = [p.name for p in params if p.verdict != FINE] if fmt == "fp16" else []
     problems = []
     if overflows:
-        problems.append(f"{len(overflows)} module(s) overflow {limit.max_finite:.4g} ({_few(overflows)})")
+        problems.append(
+            f"{len(overflows)} module(s) overflow {limit.max_finite:.4g} ({_few(overflows)})"
+        )
     if underflows:
         problems.append(f"{len(underflows)} module(s) flush values to zero ({_few(underflows)})")
     if imprecise:
@@ -595,7 +627,10 @@ def format_markdown(report: NumericsReport, max_rows: int = 40) -> str:
     if report.context:
         lines += [", ".join(f"{k}: {v}" for k, v in report.context.items()), ""]
     if report.fp32_modules:
-        lines += [f"Modules run in fp32 (precision.fp32_modules): {', '.join(report.fp32_modules)}", ""]
+        lines += [
+            f"Modules run in fp32 (precision.fp32_modules): {', '.join(report.fp32_modules)}",
+            "",
+        ]
     lines += [f"- {sentence}" for sentence in report.overall.values()]
     fix = report.fix_line()
     lines += ["", f"**Fix**: `{fix}`" if fix else "No module needs to be kept in fp32.", ""]
