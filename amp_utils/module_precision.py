@@ -93,7 +93,7 @@ def run_in_fp32(module: nn.Module) -> None:
 
 
 def apply_fp32_modules(
-    modules: Mapping[str, nn.Module] | nn.Module, patterns: Iterable[str] | None
+    modules: Mapping[str, nn.Module] | nn.Module, patterns: Iterable[str] | str | None
 ) -> list[str]:
     """Run the modules whose names match ``patterns`` in fp32, even under autocast.
 
@@ -101,7 +101,7 @@ def apply_fp32_modules(
         modules: one module (names as in its ``named_modules()``) or a mapping of them
             (names prefixed by the key: ``model.encoder``), e.g. a Brain's modules.
         patterns: ``fnmatch`` patterns of module names (``model.blocks.*.attention``);
-            ``None`` or empty: nothing changes.
+            one string is one pattern; ``None`` or empty: nothing changes.
 
     Returns:
         The names of the modules now pinned to fp32 (every match; a module inside a
@@ -110,7 +110,7 @@ def apply_fp32_modules(
     Raises:
         UnknownModulePatternError: a pattern matches no module (the message lists names).
     """
-    patterns = list(patterns or ())
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns or ())
     if not patterns:
         return []
     named = named_modules_of(modules)

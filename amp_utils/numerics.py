@@ -149,8 +149,10 @@ class ParameterStats:
     values: int = 0
     zero: int = 0  # exactly zero gradients (in an fp16 run, underflowed ones are here too)
     fp16_flush_to_zero: int = 0  # nonzero but |grad * scale| below fp16's subnormal range
-    max_abs_scaled: float = 0.0  # max |grad * scale|
+    max_abs_scaled: float = 0.0  # max finite |grad * scale|
     nonfinite: int = 0
+    backwards: int = 0  # backward passes seen
+    overflow_backwards: int = 0  # of which had inf/NaN gradients (the scaler skips those steps)
 
     @property
     def underflow_share(self) -> float:
@@ -159,9 +161,7 @@ class ParameterStats:
 
     @property
     def headroom_bits(self) -> float:
-        """log2(65504 / max|grad * scale|): how many doublings of the scale still fit."""
-        if self.nonfinite:
-            return -math.inf
+        """log2(65504 / max finite |grad * scale|): doublings of the scale that still fit."""
         if self.max_abs_scaled == 0:
             return math.inf
         return math.log2(FORMATS["fp16"].max_finite / self.max_abs_scaled)
@@ -179,9 +179,13 @@ def _float_tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _to_fp32(value: Any) -> Any:
-    """``value`` with every floating tensor cast to fp32 (detached), structure kept."""
+    """``value`` with every floating tensor copied to fp32 (detached), structure kept.
+
+    Always a copy, so that a module that writes into its input during the fp32 re-run
+    cannot change the activations of the real forward.
+    """
     if isinstance(value, torch.Tensor):
-        return value.detach().float() if value.is_floating_point() else value
+        return value.detach().to(torch.float32, copy=True) if value.is_floating_point() else value
     if isinstance(value, Mapping):
         return {k: _to_fp32(v) for k, v in value.items()}
     if isinstance(value, tuple | list):
@@ -204,7 +208,9 @@ class ActivationProbe:
     recomputation runs without gradients, with autocast off, on fp32 copies of the same
     inputs; hooks do not measure inside another module's recomputation. Run the model in
     eval mode while probing: dropout draws different masks in each call (and, on CUDA,
-    differently per dtype), which a comparison would count as error.
+    differently per dtype), which a comparison would count as error, and BatchNorm would
+    update its running statistics twice. The inputs are those the hook sees after the
+    forward: a module that modifies its input in place is compared on the modified input.
 
     Args:
         modules: one module or a mapping of them (a Brain's ``modules``).
@@ -340,7 +346,10 @@ class GradientProbe:
             finite = torch.isfinite(magnitude)
             stats = self.stats[name]
             stats.values += magnitude.numel()
-            stats.nonfinite += int((~finite).sum())
+            stats.backwards += 1
+            nonfinite = int((~finite).sum())
+            stats.nonfinite += nonfinite
+            stats.overflow_backwards += nonfinite > 0
             stats.zero += int((magnitude == 0).sum())
             limit = FORMATS["fp16"].smallest_subnormal / 2
             stats.fp16_flush_to_zero += int(((magnitude > 0) & (magnitude < limit)).sum())
@@ -384,6 +393,7 @@ class ParameterVerdict:
     zero_share: float
     fp16_underflow_share: float
     headroom_bits: float
+    overflow_backwards: str  # "k/n": backward passes with inf/NaN gradients
 
 
 @dataclass
@@ -517,6 +527,7 @@ def parameter_verdict(stats: ParameterStats) -> ParameterVerdict:
         zero_share=stats.zero / stats.values if stats.values else 0.0,
         fp16_underflow_share=stats.underflow_share,
         headroom_bits=stats.headroom_bits,
+        overflow_backwards=f"{stats.overflow_backwards}/{stats.backwards}",
     )
 
 
@@ -653,13 +664,13 @@ def format_markdown(report: NumericsReport, max_rows: int = 40) -> str:
         "",
         f"## Gradients in fp16 at loss scale {report.loss_scale:g} ({report.loss_scale_source})",
         "",
-        "| parameter | verdict | zero | fp16 underflow | headroom (bits) |",
-        "|---|---|---|---|---|",
+        "| parameter | verdict | zero | fp16 underflow | headroom (bits) | overflowed |",
+        "|---|---|---|---|---|---|",
     ]
     for p in report.parameters[:max_rows]:
         lines.append(
             f"| {p.name} | {p.verdict} | {p.zero_share:.2%} | {p.fp16_underflow_share:.2%} "
-            f"| {p.headroom_bits:.1f} |"
+            f"| {p.headroom_bits:.1f} | {p.overflow_backwards} |"
         )
     lines += [
         "",
@@ -669,7 +680,9 @@ def format_markdown(report: NumericsReport, max_rows: int = 40) -> str:
         f"{UNDERFLOW_SHARE_LIMIT:.0%} of nonzero activations and "
         f"{GRAD_UNDERFLOW_SHARE_LIMIT:.0%} of nonzero gradients flushed to zero. Errors are "
         "measured in eval mode (no dropout) against an fp32 forward of the same module on "
-        "the same inputs; negative headroom means the scaler must lower the scale.",
+        "the same inputs. Headroom: log2(65504 / largest finite |gradient x scale|); negative, "
+        "or overflowed backward passes, mean the scaler skips that step and halves the scale "
+        "(dynamic loss scaling at work, not a fault); underflow is what it cannot fix.",
     ]
     return "\n".join(lines) + "\n"
 

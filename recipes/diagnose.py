@@ -39,13 +39,25 @@ logger = logging.getLogger(__name__)
 register_resolvers()
 
 
+def training_config(cfg: DictConfig) -> DictConfig:
+    """The training part of ``cfg`` (no ``diagnose`` node), checked as train.py checks it.
+
+    Raises:
+        ConfigError: a bad key or value (one line naming the valid ones).
+    """
+    if cfg.diagnose.batches < 1:
+        raise ConfigError(f"diagnose.batches={cfg.diagnose.batches} must be 1 or more.")
+    train_cfg = copy.deepcopy(cfg)
+    with open_dict(train_cfg):
+        train_cfg.pop("diagnose", None)
+        train_cfg.precision.pop("fp32_modules", None)  # applied by diagnose() itself
+    validate_config(train_cfg, primary="config")
+    return train_cfg
+
+
 def build_recipe(cfg: DictConfig):
     """The recipe's Brain (fresh model, no checkpoints) and its training batches."""
-    train_cfg = copy.deepcopy(cfg)
-    with open_dict(train_cfg):  # the training config, as train.py checks it
-        train_cfg.pop("diagnose", None)
-        train_cfg.precision.pop("fp32_modules", None)
-    validate_config(train_cfg, primary="config")
+    train_cfg = training_config(cfg)
     seed_everything(cfg.seed)
     data = build_data(train_cfg, resolve_device(run_options(train_cfg).device))
     return build_brain(train_cfg, data, None, None), data.train
@@ -53,8 +65,6 @@ def build_recipe(cfg: DictConfig):
 
 def diagnose(cfg: DictConfig) -> NumericsReport:
     """Measure the configured recipe for ``diagnose.batches`` batches; write the report."""
-    if cfg.diagnose.batches < 1:
-        raise ConfigError(f"diagnose.batches={cfg.diagnose.batches} must be 1 or more.")
     brain, train_batches = build_recipe(cfg)
     patterns = list(OmegaConf.select(cfg, "precision.fp32_modules") or [])
     fp32_modules = apply_fp32_modules(brain.modules, patterns)

@@ -321,3 +321,48 @@ def test_recipe_unknown_fp32_module_pattern_fails_naming_modules():
     assert apply_fp32_modules(modules, ["model.blocks.*.attention"])[0] == (
         "model.blocks.0.attention"
     )
+
+
+def test_readme_diagnose_commands_compose_and_validate():
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import register_resolvers
+    from recipes.diagnose import training_config
+    from tests.recipe_helpers import CONF_DIR
+    from tests.test_readme import readme_commands
+
+    commands = [
+        line.split("#")[0].split("recipes/diagnose.py", 1)[1].split()
+        for block in readme_commands()
+        for line in block.splitlines()
+        if "recipes/diagnose.py" in line
+    ]
+    assert len(commands) >= 3
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for args in commands:
+            overrides = [arg.strip("'") for arg in args]
+            cfg = compose(config_name="diagnose", overrides=[*overrides, "output_dir=unused"])
+            training_config(cfg)
+            assert "fp32_modules" in cfg.precision
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("diagnose.batches=0", "diagnose.batches=0 must be 1 or more"),
+        ("trainer.epochs=0", "epochs"),
+    ],
+)
+def test_bad_diagnose_values_fail_before_any_work(override, message):
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import ConfigError, register_resolvers
+    from recipes.diagnose import training_config
+    from tests.recipe_helpers import CONF_DIR
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="diagnose", overrides=[override, "output_dir=unused"])
+    with pytest.raises(ConfigError, match=message):
+        training_config(cfg)
