@@ -285,6 +285,7 @@ def test_recipe_report_fp16_has_no_false_alarms_and_writes_its_files(fp16_recipe
     assert list((out / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores
 def test_recipe_report_fp32_predicts_both_formats(tmp_path, fsdd_root):
     report, out = diagnose_recipe(tmp_path, fsdd_root, "fp32")
     assert_no_false_alarm(report)
@@ -295,6 +296,17 @@ def test_recipe_report_fp32_predicts_both_formats(tmp_path, fsdd_root):
     assert json.loads((out / "numerics.json").read_text())["precision"] == "fp32"
 
 
+@pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores
+def test_recipe_report_speaker_model_bf16_has_no_false_alarms(tmp_path, fsdd_root):
+    report, out = diagnose_recipe(tmp_path, fsdd_root, "bf16", "model=xvector")
+    assert_no_false_alarm(report)
+    errors = {m.name: m.relative_error for m in report.modules}
+    tolerance = ERROR_TOLERANCE_ROUNDOFFS * FORMATS["bf16"].unit_roundoff
+    assert 0 < errors["model.tdnn.0"] < tolerance
+    assert "bf16: safe (range and error checked)" in (out / "numerics.md").read_text()
+
+
+@pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores
 def test_recipe_fp32_modules_fix_runs_those_modules_in_fp32(
     tmp_path, fsdd_root, fp16_recipe_report
 ):
