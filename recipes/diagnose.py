@@ -21,12 +21,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
-from amp_utils.numerics import (
+from amp_utils.numerics import probe_training_batches
+from amp_utils.numerics_report import (
     NumericsReport,
     build_report,
     format_markdown,
     log_histograms,
-    probe_training_batches,
 )
 from amp_utils.precision import resolve_device
 from amp_utils.tensorboard import TensorBoardLogger

@@ -11,14 +11,12 @@ import torch
 from torch import nn
 
 from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
-from amp_utils.numerics import (
+from amp_utils.numerics import FORMATS, ActivationProbe, GradientProbe
+from amp_utils.numerics_report import (
     ERROR_TOLERANCE_ROUNDOFFS,
     FINE,
-    FORMATS,
     KEEP_FP32,
     PREFER_BF16,
-    ActivationProbe,
-    GradientProbe,
     build_report,
 )
 
