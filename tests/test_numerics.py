@@ -19,6 +19,7 @@ from amp_utils.numerics_report import (
     PREFER_BF16,
     build_report,
 )
+from tests.conftest import REPO_ROOT
 
 REDUCED = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -376,3 +377,32 @@ def test_bad_diagnose_values_fail_before_any_work(override, message):
         cfg = compose(config_name="diagnose", overrides=[override, "output_dir=unused"])
     with pytest.raises(ConfigError, match=message):
         training_config(cfg)
+
+
+@pytest.mark.slow  # the command line, end to end: ~30 s on 2 cores
+def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
+    import os
+
+    from tests.recipe_helpers import FAST, recipe_command, run_command
+
+    run_dir = tmp_path / "run"
+    args = [
+        *FAST,
+        "data.max_batch_seconds=4",
+        f"data.prepared_dir={tmp_path / 'prepared'}",
+        "diagnose.batches=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "FSDD_ROOT": str(fsdd_root), "PYTHONPATH": str(REPO_ROOT)}
+    result = run_command(recipe_command("diagnose.py", args), env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "fp16: safe" in result.stderr + result.stdout
+    assert json.loads((run_dir / "numerics.json").read_text())["batches"] == 1
+    assert (run_dir / "numerics.md").read_text().startswith("# Numerics report (fp32")
+    bad = run_command(recipe_command("diagnose.py", [*args, "precision.fp32_modules=[nope]"]), env)
+    assert bad.returncode == 1
+    assert (
+        bad.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: precision.fp32_modules: pattern 'nope' matches no module")
+    )
