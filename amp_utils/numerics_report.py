@@ -283,7 +283,7 @@ def _overall(
         if fmt in m.range_checked and m.flush_to_zero_share[fmt] > UNDERFLOW_SHARE_LIMIT
     ]
     imprecise = (
-        [m.name for m in modules if m.verdict == KEEP_FP32 and "relative error" in m.reason]
+        [m.name for m in modules if m.tolerance is not None and m.relative_error > m.tolerance]
         if fmt == precision
         else []
     )

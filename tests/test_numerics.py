@@ -70,7 +70,8 @@ def probe(modules: nn.ModuleDict, precision: str, batches: int = 2):
     """Run ``batches`` forwards of every planted module under ``precision``; the report."""
     activations = ActivationProbe(modules)
     inputs = torch.randn(batches, 32, 8)
-    with activations, torch.autocast("cpu", dtype=REDUCED[precision]):
+    autocast = torch.autocast("cpu", dtype=REDUCED.get(precision), enabled=precision != "fp32")
+    with activations, autocast:
         for x in inputs:
             for module in modules.values():
                 module(x)
@@ -95,6 +96,15 @@ def test_overflow_is_flagged_under_fp16_and_not_under_bf16():
     assert verdicts(bf16)["overflowing"] == FINE
     assert verdicts(bf16)["overflowing.linear"] == FINE
     assert not bf16.fp16_safe  # the fp16 range check still sees the values above 65504
+
+
+def test_fp32_run_predicts_the_fp16_overflow_from_the_ranges():
+    report = probe(planted_model(), "fp32")
+    assert verdicts(report)["overflowing"] == PREFER_BF16
+    assert verdicts(report)["cancelling"] == FINE  # its error needs a reduced-precision run
+    assert all(m.relative_error == 0.0 for m in report.modules)
+    assert not report.fp16_safe and report.bf16_safe
+    assert "error not measured" in report.overall["bf16"]
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
