@@ -1,0 +1,107 @@
+"""Numerics report of the recipe's model: which modules are unsafe in fp16/bf16, and the fix.
+
+    python recipes/diagnose.py precision=fp16                      # the default ASR recipe
+    python recipes/diagnose.py precision=bf16 model=xvector diagnose.batches=8
+    python recipes/diagnose.py precision=fp16 'precision.fp32_modules=[model.blocks.*.conv]'
+
+Takes the same config groups and overrides as ``recipes/train.py``, trains a few batches
+(from scratch; nothing is saved) and writes ``numerics.md`` and ``numerics.json`` into its run
+folder and log2|x| histograms of activations and gradients into ``tb/``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from amp_utils.atomic import atomic_write_json, atomic_write_text
+from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
+from amp_utils.numerics import probe_training_batches
+from amp_utils.numerics_report import (
+    NumericsReport,
+    build_report,
+    format_markdown,
+    log_histograms,
+)
+from amp_utils.precision import resolve_device
+from amp_utils.tensorboard import TensorBoardLogger
+from recipes.config import ConfigError, register_resolvers, validate_config
+from recipes.data_setup import build_data
+from recipes.experiment import USER_ERRORS, build_brain, run_options, seed_everything
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+logger = logging.getLogger(__name__)
+register_resolvers()
+
+
+def training_config(cfg: DictConfig) -> DictConfig:
+    """The training part of ``cfg`` (no ``diagnose`` node), checked as train.py checks it.
+
+    Raises:
+        ConfigError: a bad key or value (one line naming the valid ones).
+    """
+    if cfg.diagnose.batches < 1:
+        raise ConfigError(f"diagnose.batches={cfg.diagnose.batches} must be 1 or more.")
+    train_cfg = copy.deepcopy(cfg)
+    with open_dict(train_cfg):
+        train_cfg.pop("diagnose", None)
+        train_cfg.precision.pop("fp32_modules", None)  # applied by diagnose() itself
+    validate_config(train_cfg, primary="config")
+    return train_cfg
+
+
+def build_recipe(cfg: DictConfig):
+    """The recipe's Brain (fresh model, no checkpoints) and its training batches."""
+    train_cfg = training_config(cfg)
+    seed_everything(cfg.seed)
+    data = build_data(train_cfg, resolve_device(run_options(train_cfg).device))
+    return build_brain(train_cfg, data, None, None), data.train
+
+
+def diagnose(cfg: DictConfig) -> NumericsReport:
+    """Measure the configured recipe for ``diagnose.batches`` batches; write the report."""
+    brain, train_batches = build_recipe(cfg)
+    patterns = list(OmegaConf.select(cfg, "precision.fp32_modules") or [])
+    fp32_modules = apply_fp32_modules(brain.modules, patterns)
+    probes = probe_training_batches(brain, train_batches, int(cfg.diagnose.batches))
+    report = build_report(
+        probes.activations,
+        probes.gradients,
+        precision=brain.amp.name,
+        batches=probes.batches,
+        loss_scale_source=probes.loss_scale_source,
+        fp32_modules=fp32_modules,
+        context={"model": cfg.model.name, "data": cfg.data.name, "device": brain.device.type},
+    )
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "numerics.md", format_markdown(report))
+    atomic_write_json(out / "numerics.json", report.to_json())
+    tensorboard = TensorBoardLogger(out / "tb")
+    try:
+        log_histograms(tensorboard.writer, probes.activations, probes.gradients)
+    finally:
+        tensorboard.close()
+    for sentence in report.overall.values():
+        logger.info(sentence)
+    logger.info("fix: %s", report.fix_line() or "none needed")
+    logger.info("report: %s", out / "numerics.md")
+    return report
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="diagnose")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point: bad input ends with one line, no traceback."""
+    try:
+        diagnose(cfg)
+    except (*USER_ERRORS, UnknownModulePatternError) as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()

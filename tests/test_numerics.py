@@ -1,0 +1,418 @@
+"""Numerics report (issue 14): planted overflow and precision loss are flagged with the fix,
+the recipe's own model is not, and ``precision.fp32_modules`` pins modules to fp32."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
+from amp_utils.numerics import FORMATS, ActivationProbe, GradientProbe
+from amp_utils.numerics_report import (
+    ERROR_TOLERANCE_ROUNDOFFS,
+    FINE,
+    KEEP_FP32,
+    PREFER_BF16,
+    build_report,
+)
+from tests.conftest import REPO_ROOT
+
+REDUCED = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Overflowing(nn.Module):
+    """A linear layer whose outputs reach ~1e5: above fp16's 65504, easy for bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.linear.weight.fill_(2.0e4)
+            self.linear.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class Cancelling(nn.Module):
+    """Adds a large offset in a matmul, then subtracts it: the small signal is rounded away.
+
+    In fp16 the spacing of numbers near 1000 is 0.5, in bf16 it is 4; the signal is ~0.1.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.linear.weight.normal_(0.0, 0.03)
+            self.linear.bias.fill_(1000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) - 1000.0
+
+
+def planted_model() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return nn.ModuleDict(
+        {
+            "healthy": nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8)),
+            "overflowing": Overflowing(),
+            "cancelling": Cancelling(),
+        }
+    )
+
+
+def probe(modules: nn.ModuleDict, precision: str, batches: int = 2):
+    """Run ``batches`` forwards of every planted module under ``precision``; the report."""
+    activations = ActivationProbe(modules)
+    inputs = torch.randn(batches, 32, 8)
+    autocast = torch.autocast("cpu", dtype=REDUCED.get(precision), enabled=precision != "fp32")
+    with activations, autocast:
+        for x in inputs:
+            for module in modules.values():
+                module(x)
+    return build_report(activations, None, precision, batches, "none")
+
+
+def verdicts(report) -> dict[str, str]:
+    return {m.name: m.verdict for m in report.modules}
+
+
+def test_overflow_is_flagged_under_fp16_and_not_under_bf16():
+    fp16 = probe(planted_model(), "fp16")
+    module = next(m for m in fp16.modules if m.name == "overflowing")
+    assert module.verdict == PREFER_BF16
+    assert "overflow" in module.reason and module.max_abs > FORMATS["fp16"].max_finite
+    assert module.nonfinite_autocast_share > 0  # it really came out inf under fp16
+    assert module.fix.startswith("precision=bf16") and "fp32_modules=[overflowing]" in module.fix
+    assert not fp16.fp16_safe
+    assert fp16.modules[0].verdict != FINE  # worst first
+
+    bf16 = probe(planted_model(), "bf16")
+    assert verdicts(bf16)["overflowing"] == FINE
+    assert verdicts(bf16)["overflowing.linear"] == FINE
+    assert not bf16.fp16_safe  # the fp16 range check still sees the values above 65504
+
+
+def test_fp32_run_predicts_the_fp16_overflow_from_the_ranges():
+    report = probe(planted_model(), "fp32")
+    assert verdicts(report)["overflowing"] == PREFER_BF16
+    assert verdicts(report)["cancelling"] == FINE  # its error needs a reduced-precision run
+    assert all(m.relative_error == 0.0 for m in report.modules)
+    assert not report.fp16_safe and report.bf16_safe
+    assert "error not measured" in report.overall["bf16"]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_precision_loss_is_flagged_with_the_fix_line(precision):
+    report = probe(planted_model(), precision)
+    module = next(m for m in report.modules if m.name == "cancelling")
+    tolerance = ERROR_TOLERANCE_ROUNDOFFS * FORMATS[precision].unit_roundoff
+    assert module.verdict == KEEP_FP32 and "relative error" in module.reason
+    assert module.relative_error > tolerance == module.tolerance
+    assert module.fix == "precision.fp32_modules=[cancelling]"
+    assert "cancelling" in report.fix_line()
+    # the healthy layers lose a little precision, well within the tolerance
+    for name in ("healthy", "healthy.0", "healthy.2"):
+        healthy = next(m for m in report.modules if m.name == name)
+        assert healthy.verdict == FINE and 0 < healthy.relative_error < tolerance / 4
+
+
+def test_fix_line_applied_removes_the_flag():
+    model = planted_model()
+    assert verdicts(probe(model, "bf16"))["cancelling"] == KEEP_FP32
+    assert apply_fp32_modules(model, ["cancelling"]) == ["cancelling"]
+    after = probe(model, "bf16")
+    fixed = next(m for m in after.modules if m.name == "cancelling")
+    assert fixed.verdict == FINE and fixed.relative_error == 0.0
+    inner = next(m for m in after.modules if m.name == "cancelling.linear")  # runs in fp32 too
+    assert inner.relative_error == 0.0 and inner.range_checked == []
+
+
+def test_gradients_that_underflow_fp16_at_the_loss_scale_are_flagged():
+    tiny, normal = nn.Linear(64, 64), nn.Linear(64, 64)
+    model = nn.ModuleDict({"tiny": tiny, "normal": normal})
+    gradients = GradientProbe(model, loss_scale=2.0**16)
+    x = torch.randn(4, 64)
+    with gradients:
+        # d loss / d tiny.weight ~ 1e-13: times 2^16 ~ 7e-9, below fp16's 2^-24 / 2
+        (1e-13 * tiny(x).sum() + normal(x).pow(2).mean()).backward()
+    report = build_report(ActivationProbe(model), gradients, "fp32", 1, "assumed")
+    by_name = {p.name: p for p in report.parameters}
+    assert by_name["tiny.weight"].verdict == PREFER_BF16
+    assert by_name["tiny.weight"].fp16_underflow_share > 0.9
+    assert by_name["normal.weight"].verdict == FINE
+    assert by_name["normal.weight"].fp16_underflow_share == 0.0
+    expected = math.log2(65504 / float(normal.weight.grad.abs().max() * 2.0**16))
+    assert by_name["normal.weight"].headroom_bits == pytest.approx(expected, rel=1e-5)
+    assert report.parameters[0].verdict == PREFER_BF16  # worst first
+    assert not report.fp16_safe and report.bf16_safe
+
+
+def test_report_json_round_trips():
+    report = probe(planted_model(), "fp16")
+    data = json.loads(json.dumps(report.to_json()))
+    assert data["precision"] == "fp16"
+    assert {m["name"] for m in data["modules"]} >= {"healthy", "overflowing", "cancelling"}
+
+
+# ------------------------------------------------------------------ fp32_modules
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.ffn = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attn(x), self.ffn(x)
+
+
+def encoder() -> nn.Module:
+    model = nn.Module()
+    model.blocks = nn.ModuleList([Block(), Block()])
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_named_modules_run_in_fp32_under_autocast_the_others_do_not(dtype):
+    modules = {"model": encoder()}
+    matched = apply_fp32_modules(modules, ["model.blocks.*.attn"])
+    assert matched == ["model.blocks.0.attn", "model.blocks.1.attn"]
+    x = torch.randn(3, 8, dtype=dtype)  # a reduced-precision input is cast to fp32 too
+    with torch.autocast("cpu", dtype=dtype):
+        for block in modules["model"].blocks:
+            attn, ffn = block(x)
+            assert attn.dtype == torch.float32
+            assert ffn.dtype == dtype
+    assert modules["model"].blocks[0].attn(x.float()).dtype == torch.float32  # no autocast
+
+
+def test_fp32_modules_leave_the_state_dict_alone(tmp_path):
+    pinned = encoder()
+    apply_fp32_modules(pinned, ["blocks.0.*"])
+    torch.save(pinned.state_dict(), tmp_path / "pinned.pt")
+    plain = encoder()
+    assert pinned.state_dict().keys() == plain.state_dict().keys()
+    # trained with the option, loaded without it (strict: same keys, same values)
+    plain.load_state_dict(torch.load(tmp_path / "pinned.pt", weights_only=True))
+    for key, value in pinned.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value)
+    # and the other way round
+    other = encoder()
+    pinned.load_state_dict(other.state_dict())
+    assert torch.equal(pinned.blocks[0].attn.weight, other.blocks[0].attn.weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert pinned.blocks[0].attn(torch.randn(2, 8)).dtype == torch.float32  # still pinned
+
+
+def test_applying_twice_wraps_once():
+    model = encoder()
+    apply_fp32_modules(model, ["blocks.0.attn"])
+    wrapped = model.blocks[0].attn.forward
+    assert apply_fp32_modules(model, ["blocks.0.attn"]) == ["blocks.0.attn"]
+    assert model.blocks[0].attn.forward is wrapped
+    assert "forward" not in vars(model.blocks[1].attn)  # the others keep the class forward
+
+
+def test_unknown_pattern_fails_naming_module_names():
+    with pytest.raises(UnknownModulePatternError) as err:
+        apply_fp32_modules({"model": encoder()}, ["model.blocks.*.attention"])
+    message = str(err.value)
+    assert "'model.blocks.*.attention' matches no module" in message
+    assert "model.blocks.0.attn" in message and "\n" not in message
+
+
+# ------------------------------------------------------- the recipe, end to end
+
+
+def diagnose_recipe(tmp_path, fsdd_root, precision: str, *extra: str):
+    """recipes/diagnose.py's ``diagnose`` on the real config: ASR, 2 small FSDD batches."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import register_resolvers
+    from recipes.diagnose import diagnose
+    from tests.recipe_helpers import CONF_DIR, FAST
+
+    register_resolvers()
+    out = tmp_path / f"diagnose_{precision}"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="diagnose",
+            overrides=[
+                *FAST,
+                "data.max_batch_seconds=4",
+                f"data.root={fsdd_root}",
+                f"data.prepared_dir={tmp_path / 'prepared'}",
+                f"output_dir={out}",
+                "diagnose.batches=2",
+                f"precision={precision}",
+                *extra,
+            ],
+        )
+    return diagnose(cfg), out
+
+
+@pytest.fixture(scope="module")
+def fp16_recipe_report(tmp_path_factory, fsdd_root):
+    return diagnose_recipe(tmp_path_factory.mktemp("numerics"), fsdd_root, "fp16")
+
+
+def assert_no_false_alarm(report) -> None:
+    """No module of the recipe is flagged: a false alarm is a "keep in fp32" (or "prefer
+    bf16") verdict on a module whose error is within the tolerance and whose values fit
+    the format's range. The digit model's layers measure a few unit roundoffs."""
+    assert report.flagged() == [], [(m.name, m.reason) for m in report.flagged()]
+    assert report.fp16_safe and report.bf16_safe
+    assert report.fix_line() is None
+
+
+def test_recipe_report_fp16_has_no_false_alarms_and_writes_its_files(fp16_recipe_report):
+    report, out = fp16_recipe_report
+    assert_no_false_alarm(report)
+    names = {m.name for m in report.modules}
+    assert {"model", "model.blocks.0.attention", "model.output", "features"} <= names
+    errors = {m.name: m.relative_error for m in report.modules}
+    tolerance = ERROR_TOLERANCE_ROUNDOFFS * FORMATS["fp16"].unit_roundoff
+    # measured, not assumed: fp16 layers err by a few roundoffs, fp32-pinned ones not at all
+    assert 0 < errors["model.blocks.0.attention.qkv"] < tolerance
+    assert 0 < errors["model"] < tolerance
+    assert errors["features"] == 0.0
+    assert any(p.headroom_bits < math.inf for p in report.parameters)
+    data = json.loads((out / "numerics.json").read_text())
+    assert data["precision"] == "fp16" and data["batches"] == 2
+    assert len(data["modules"]) == len(report.modules)
+    assert {"name", "verdict", "relative_error", "fix"} <= set(data["modules"][0])
+    markdown = (out / "numerics.md").read_text()
+    assert markdown.startswith("# Numerics report (fp16, 2 training batches)")
+    assert "fp16: safe (range and error checked)" in markdown
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores
+def test_recipe_report_fp32_predicts_both_formats(tmp_path, fsdd_root):
+    report, out = diagnose_recipe(tmp_path, fsdd_root, "fp32")
+    assert_no_false_alarm(report)
+    assert all(m.relative_error == 0.0 for m in report.modules)  # nothing to compare in fp32
+    assert all(m.range_checked == ["fp16", "bf16"] for m in report.modules)
+    assert "error not measured (diagnose with precision=fp16)" in report.overall["fp16"]
+    assert report.loss_scale == 2.0**16
+    assert json.loads((out / "numerics.json").read_text())["precision"] == "fp32"
+
+
+@pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores
+def test_recipe_report_speaker_model_bf16_has_no_false_alarms(tmp_path, fsdd_root):
+    report, out = diagnose_recipe(tmp_path, fsdd_root, "bf16", "model=xvector")
+    assert_no_false_alarm(report)
+    errors = {m.name: m.relative_error for m in report.modules}
+    tolerance = ERROR_TOLERANCE_ROUNDOFFS * FORMATS["bf16"].unit_roundoff
+    assert 0 < errors["model.tdnn.0"] < tolerance
+    assert "bf16: safe (range and error checked)" in (out / "numerics.md").read_text()
+
+
+@pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores
+def test_recipe_fp32_modules_fix_runs_those_modules_in_fp32(
+    tmp_path, fsdd_root, fp16_recipe_report
+):
+    before = {m.name: m for m in fp16_recipe_report[0].modules}
+    report, _ = diagnose_recipe(
+        tmp_path, fsdd_root, "fp16", "precision.fp32_modules=[model.blocks.*.attention]"
+    )
+    assert report.fp32_modules == [f"model.blocks.{i}.attention" for i in range(4)]
+    after = {m.name: m for m in report.modules}
+    for name in ("model.blocks.0.attention", "model.blocks.3.attention.qkv"):
+        assert before[name].relative_error > 0 and before[name].range_checked
+        assert after[name].relative_error == 0.0 and after[name].range_checked == []
+    assert after["model.blocks.0.ffn1"].relative_error > 0  # the others still in fp16
+
+
+def test_recipe_unknown_fp32_module_pattern_fails_naming_modules():
+    from recipes.experiment import build_modules
+    from tests.recipe_helpers import compose_config
+
+    modules = build_modules(compose_config(["device=cpu"]), speakers=("spk",))
+    with pytest.raises(UnknownModulePatternError) as err:
+        apply_fp32_modules(modules, ["model.blocks.*.attn"])
+    assert "model.blocks.0.attention" in str(err.value)  # the names at that depth
+    assert apply_fp32_modules(modules, ["model.blocks.*.attention"])[0] == (
+        "model.blocks.0.attention"
+    )
+
+
+def test_readme_diagnose_commands_compose_and_validate():
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import register_resolvers
+    from recipes.diagnose import training_config
+    from tests.recipe_helpers import CONF_DIR
+    from tests.test_readme import readme_commands
+
+    commands = [
+        line.split("#")[0].split("recipes/diagnose.py", 1)[1].split()
+        for block in readme_commands()
+        for line in block.splitlines()
+        if "recipes/diagnose.py" in line
+    ]
+    assert len(commands) >= 3
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for args in commands:
+            overrides = [arg.strip("'") for arg in args]
+            cfg = compose(config_name="diagnose", overrides=[*overrides, "output_dir=unused"])
+            training_config(cfg)
+            assert "fp32_modules" in cfg.precision
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("diagnose.batches=0", "diagnose.batches=0 must be 1 or more"),
+        ("trainer.epochs=0", "epochs"),
+    ],
+)
+def test_bad_diagnose_values_fail_before_any_work(override, message):
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import ConfigError, register_resolvers
+    from recipes.diagnose import training_config
+    from tests.recipe_helpers import CONF_DIR
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="diagnose", overrides=[override, "output_dir=unused"])
+    with pytest.raises(ConfigError, match=message):
+        training_config(cfg)
+
+
+@pytest.mark.slow  # the command line, end to end: ~30 s on 2 cores
+def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
+    import os
+
+    from tests.recipe_helpers import FAST, recipe_command, run_command
+
+    run_dir = tmp_path / "run"
+    args = [
+        *FAST,
+        "data.max_batch_seconds=4",
+        f"data.prepared_dir={tmp_path / 'prepared'}",
+        "diagnose.batches=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "FSDD_ROOT": str(fsdd_root), "PYTHONPATH": str(REPO_ROOT)}
+    result = run_command(recipe_command("diagnose.py", args), env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "fp16: safe" in result.stderr + result.stdout
+    assert json.loads((run_dir / "numerics.json").read_text())["batches"] == 1
+    assert (run_dir / "numerics.md").read_text().startswith("# Numerics report (fp32")
+    bad = run_command(recipe_command("diagnose.py", [*args, "precision.fp32_modules=[nope]"]), env)
+    assert bad.returncode == 1
+    assert (
+        bad.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: precision.fp32_modules: pattern 'nope' matches no module")
+    )
