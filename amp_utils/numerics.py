@@ -389,9 +389,8 @@ def probe_training_batches(brain: Any, batches: Iterable[Any], num_batches: int)
         ):
             brain.compute_forward(on_device, Stage.VALID)
         gradients.set_scale(brain.scaler.get_scale() if scaled else DEFAULT_FP16_LOSS_SCALE)
-        brain.step += 1
         with gradients:
-            brain.fit_batch(batch)
+            brain.train_step(batch)
         done += 1
     brain.flush_pending()
     source = "GradScaler, last batch" if scaled else "fp16's initial scale; this run has none"

@@ -111,8 +111,7 @@ def brain_step_fn(brain: AudioBrain) -> Callable[[AudioBatch], None]:
     """One training step through the Brain, as its fit loop does it."""
 
     def step(batch: AudioBatch) -> None:
-        brain.step += 1
-        brain.fit_batch(batch)
+        brain.train_step(batch)
 
     return step
 
