@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-if TYPE_CHECKING:  # the Brain classes import the loop; the record only names them
-    from recipes.audio_brain import AudioBrain
+from recipes.audio_brain import AudioBrain
 
 #: ``build_model(model_cfg, n_mels, speakers)``: the task's model for ``n_mels``-bin
 #: features and the run's speaker names (the classes of speaker ID).
