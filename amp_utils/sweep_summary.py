@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_write_text
+from amp_utils.run_results import RESULTS_FILE, RunResults
 
 log = logging.getLogger(__name__)
 
-RESULTS_FILE = "results.json"
 MISSING = "—"
 SPEEDUP_COLUMN = "speed-up vs fp32"
 _LEADING_COLUMNS = ("run", "status", "precision", "device", "processes", "model", "data")
@@ -78,12 +77,12 @@ def _non_precision_overrides(overrides: list[str]) -> tuple[str, ...]:
 
 def _comparison_key(run: dict[str, Any]) -> tuple:
     """What must match for two runs to be compared: all but precision."""
-    results = run["results"]
+    results: RunResults = run["results"]
     return (
-        results.get("device"),
-        results.get("world_size", 1),
-        results.get("model"),
-        results.get("data"),
+        results.device,
+        results.world_size,
+        results.model,
+        results.data,
         _non_precision_overrides(run["overrides"]),
     )
 
@@ -92,7 +91,7 @@ def _sort_key(run: dict[str, Any]) -> tuple:
     """Sort by overrides, keeping runs that differ only in precision together (fp32 first)."""
     precision = _override_value(run["overrides"], "precision")
     if precision is None and run["results"] is not None:
-        precision = run["results"].get("precision")
+        precision = run["results"].precision
     rank = _PRECISION_ORDER.index(precision) if precision in _PRECISION_ORDER else 99
     return (_non_precision_overrides(run["overrides"]), rank, str(precision), run["name"])
 
@@ -104,22 +103,20 @@ def _collect_runs(sweep_dir: Path) -> list[dict[str, Any]]:
         for overrides_file in sweep_dir.rglob("overrides.yaml")
         if overrides_file.parent.name == ".hydra"
     }
-    results_by_job: dict[Path, dict[str, Any] | None] = dict.fromkeys(job_dirs)
+    results_by_job: dict[Path, RunResults | None] = dict.fromkeys(job_dirs)
     for results_file in sweep_dir.rglob(RESULTS_FILE):
         try:
-            results = json.loads(results_file.read_text(encoding="utf-8"))
+            results = RunResults.read(results_file)
         except (OSError, ValueError) as err:
             log.warning("Cannot read %s, counting the run as failed: %s", results_file, err)
             results = None
-        results_by_job[_job_dir_of(results_file, job_dirs)] = (
-            results if isinstance(results, dict) else None
-        )
+        results_by_job[_job_dir_of(results_file, job_dirs)] = results
 
     runs = []
     for job_dir, results in results_by_job.items():
         overrides = _read_overrides(job_dir)
-        if results is not None and isinstance(results.get("overrides"), list):
-            overrides = [str(item) for item in results["overrides"]]
+        if results is not None and results.overrides is not None:
+            overrides = [str(item) for item in results.overrides]
         runs.append(
             {
                 "name": job_dir.relative_to(sweep_dir).as_posix() or ".",
@@ -136,15 +133,15 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     metric_names: list[str] = []
     for run in runs:
         if run["results"] is not None:
-            for name in run["results"].get("test_metrics") or {}:
+            for name in run["results"].test_metrics or {}:
                 if name not in metric_names:
                     metric_names.append(name)
 
     fp32_speed: dict[tuple, float] = {}
     for run in runs:
         results = run["results"]
-        if results is not None and results.get("precision") == "fp32":
-            speed = (results.get("throughput") or {}).get("train_utterances_per_s")
+        if results is not None and results.precision == "fp32":
+            speed = results.throughput.train_utterances_per_s
             if isinstance(speed, (int, float)) and speed > 0:
                 fp32_speed.setdefault(_comparison_key(run), float(speed))
 
@@ -159,23 +156,24 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
             rows.append(row)
             continue
         row["status"] = "ok"
-        for column in ("precision", "device", "model", "data"):
-            row[column] = _format_number(results.get(column))
-        if results.get("precision_requested") == "auto":
+        row["precision"] = _format_number(results.precision)
+        row["device"] = _format_number(results.device)
+        row["model"] = _format_number(results.model)
+        row["data"] = _format_number(results.data)
+        if results.precision_requested == "auto":
             row["precision"] += " (auto)"
-        row["processes"] = str(results.get("world_size", 1))  # DDP ranks
-        metrics = results.get("test_metrics") or {}
+        row["processes"] = str(results.world_size)  # DDP ranks
+        metrics = results.test_metrics or {}
         for name in metric_names:
             row[name] = _format_number(metrics.get(name))
-        throughput = results.get("throughput") or {}
-        speed = throughput.get("train_utterances_per_s")
+        speed = results.throughput.train_utterances_per_s
         row["utt/s"] = _format_number(speed)
-        row["audio-s/s"] = _format_number(throughput.get("train_audio_seconds_per_s"))
+        row["audio-s/s"] = _format_number(results.throughput.train_audio_seconds_per_s)
         reference = fp32_speed.get(_comparison_key(run))
         if reference is not None and isinstance(speed, (int, float)):
             row[SPEEDUP_COLUMN] = f"{speed / reference:.2f}x"
-        row["peak memory MB"] = _format_number(results.get("peak_memory_mb"))
-        row["wall time s"] = _format_number(results.get("wall_time_s"))
+        row["peak memory MB"] = _format_number(results.peak_memory_mb)
+        row["wall time s"] = _format_number(results.wall_time_s)
         rows.append(row)
     return rows
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data.features import LogMelFeatures  # noqa: E402
 from recipes.asr.model import ConformerCTC, ctc_log_probs, ctc_loss  # noqa: E402
+from recipes.frontend import LogMelFeatures  # noqa: E402
 
 DTYPES = {
     "fp32": torch.float32,

@@ -20,13 +20,8 @@ from amp_utils.precision import resolve_device
 from recipes.benchmarking import run_benchmark, summarize
 from recipes.config import register_resolvers, validate_config
 from recipes.data_setup import build_data
-from recipes.experiment import (
-    build_brain,
-    build_modules,
-    device_name,
-    run_options,
-    seed_everything,
-)
+from recipes.experiment import build_brain, device_name, run_options, seed_everything
+from recipes.modules import build_modules
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger(__name__)
@@ -71,7 +66,7 @@ def benchmark(cfg: DictConfig) -> list[dict]:
     header = (
         f"device: {device_name(device)}; torch {torch.__version__}; model {cfg.model.name}; "
         f"batch {cfg.benchmark.batch_size} x {cfg.benchmark.utterance_seconds}s synthetic; "
-        f"real batches {cfg.data.name} ({cfg.data.max_batch_seconds * cfg.device.batch_scale:g} "
+        f"real batches {cfg.data.name} ({data.max_batch_seconds:g} "
         f"s padded audio); pad_to_buckets={cfg.data.pad_to_buckets}; compile={t.compile}"
         + (f" ({t.compile_mode}, regions={t.compile_regions})" if t.compile else "")
         + "\n\n"

@@ -34,6 +34,7 @@ from data.fsdd import prepare_fsdd_digits
 from data.manifest import Utterance, read_manifest
 from data.sampler import DurationBatchSampler
 from data.text import CharTokenizer
+from recipes.tasks import task_for
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class DataBundle:
     test: DataLoader
     tokenizer: CharTokenizer | None
     speakers: tuple[str, ...]
+    max_batch_seconds: float  # the samplers' batch budget: data.max_batch_seconds x batch_scale
     skipped_files: list[tuple[str, str]] = field(default_factory=list)
     record: dict = field(default_factory=dict)  # what was trained on, for results.json
 
@@ -180,10 +182,11 @@ def build_data(
 
     # Rank 0 prepares and checks the data once; the others get its utterance lists.
     utterances, skipped, recordings, record = run_on_main(lambda: load_data(data_cfg))
-    tokenizer = CharTokenizer() if cfg.model.task == "asr" else None
-    if cfg.model.task == "speaker":  # closed set: evaluation speakers must be trained on
+    task = task_for(cfg.model)
+    tokenizer = CharTokenizer() if task.needs_tokenizer else None
+    if task.closed_set_speakers:  # the speakers are the classes: those trained on
         speakers = sorted({utt.speaker for utt in utterances["train"]})
-    else:  # speakers play no role in ASR; test speakers may be unseen
+    else:  # speakers are not predicted; test speakers may be unseen
         speakers = sorted({utt.speaker for split in utterances.values() for utt in split})
     datasets = make_datasets(utterances, recordings, data_cfg.sample_rate, tokenizer, speakers)
     budget = float(data_cfg.max_batch_seconds) * float(cfg.device.batch_scale)
@@ -225,6 +228,7 @@ def build_data(
         test=loaders["test"],
         tokenizer=tokenizer,
         speakers=tuple(speakers),
+        max_batch_seconds=budget,
         skipped_files=skipped,
         record=record,
     )

@@ -50,23 +50,18 @@ from amp_utils.distributed import (
 from amp_utils.precision import AUTO, check_precision_supported, resolve_precision
 from amp_utils.run_clock import RunClock
 from amp_utils.run_env import write_env_file
+from amp_utils.run_results import RESULTS_FILE, RunResults, Throughput
 from amp_utils.tensorboard import TensorBoardLogger
 from data.errors import DataError
-from data.features import LogMelFeatures, SpecAugment
-from data.text import CharTokenizer
-from recipes.asr.brain import ASRBrain
-from recipes.asr.model import ConformerCTC
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
 from recipes.data_setup import DataBundle, build_data
-from recipes.run_folder import RESULTS_FILE, RunFolder, finished_message, finished_results
-from recipes.speaker.brain import SpeakerBrain
-from recipes.speaker.model import XVector
+from recipes.modules import build_modules
+from recipes.run_folder import LABELS_FILE, RunFolder, finished_message, finished_results
+from recipes.tasks import UnknownTaskError, task_for
 
 logger = logging.getLogger(__name__)
 
-LABELS_FILE = "labels.json"  # task and speaker names, for inference
-BRAINS: dict[str, type[AudioBrain]] = {"asr": ASRBrain, "speaker": SpeakerBrain}  # by task
 RUN_OPTION_KEYS = frozenset(f.name for f in dataclasses.fields(RunOptions))  # trainer keys
 USER_ERRORS = (  # bad input: reported as one line, without a traceback
     ConfigError,
@@ -76,6 +71,7 @@ USER_ERRORS = (  # bad input: reported as one line, without a traceback
     PrecisionNotSupportedError,
     DeviceNotAvailableError,
     DistributedConfigError,
+    UnknownTaskError,
 )
 
 
@@ -92,56 +88,6 @@ def run_options(cfg: DictConfig) -> RunOptions:
             "seed": cfg.seed,
         }
     )
-
-
-def build_model(cfg: DictConfig, speakers: tuple[str, ...]) -> torch.nn.Module:
-    """The configured model, sized for the features and the labels (vocabulary/speakers)."""
-    n_mels, m = cfg.data.features.n_mels, cfg.model
-    if m.task == "asr":
-        return ConformerCTC(
-            n_mels=n_mels,
-            vocab_size=CharTokenizer().vocab_size,
-            d_model=m.d_model,
-            num_layers=m.num_layers,
-            num_heads=m.num_heads,
-            ffn_dim=m.ffn_dim,
-            conv_kernel=m.conv_kernel,
-            dropout=m.dropout,
-            subsampling=m.subsampling,
-        )
-    return XVector(
-        n_mels=n_mels,
-        num_speakers=len(speakers),
-        channels=m.channels,
-        embedding_dim=m.embedding_dim,
-        dropout=m.dropout,
-    )
-
-
-def build_features(cfg: DictConfig) -> LogMelFeatures:
-    """Log-mel front end of the configured data set."""
-    f = cfg.data.features
-    return LogMelFeatures(
-        sample_rate=cfg.data.sample_rate,
-        n_fft=f.n_fft,
-        win_length=f.win_length,
-        hop_length=f.hop_length,
-        n_mels=f.n_mels,
-    )
-
-
-def build_modules(cfg: DictConfig, speakers: tuple[str, ...]) -> dict[str, torch.nn.Module]:
-    """The recipe's modules: log-mel ``features``, the ``model`` and (if on) ``augment``."""
-    modules: dict[str, torch.nn.Module] = {
-        "features": build_features(cfg),
-        "model": build_model(cfg, speakers),
-    }
-    aug = cfg.data.spec_augment
-    if aug.enabled:
-        modules["augment"] = SpecAugment(
-            aug.freq_mask, aug.time_mask, aug.n_freq_masks, aug.n_time_masks
-        )
-    return modules
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
@@ -185,7 +131,7 @@ def build_brain(
         schedule = warmup_cosine(cfg.model.warmup_steps, cfg.trainer.epochs * steps_per_epoch)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
-    return BRAINS[cfg.model.task](
+    return task_for(cfg.model).brain_class(
         modules=modules,
         opt_class=opt_class,
         hparams={
@@ -200,6 +146,29 @@ def build_brain(
         run_opts=opts,
         checkpointer=Checkpointer(out_dir / "checkpoints") if out_dir is not None else None,
     )
+
+
+def tensorboard_hparams(
+    cfg: DictConfig, results: RunResults, data: DataBundle
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """TensorBoard's hparams of a run and its final metrics: ``(hparams, metrics)``.
+
+    ``max_batch_seconds`` is the batch budget the samplers used (after the device's
+    ``batch_scale``), not the configured value.
+    """
+    hparams = {
+        "precision": results.precision,
+        "device": results.device,
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "epochs": cfg.trainer.epochs,
+        "lr": cfg.model.lr,
+        "max_batch_seconds": data.max_batch_seconds,
+        "compile": cfg.trainer.compile,
+    }
+    metrics = {f"test_{k}": v for k, v in results.test_metrics.items()}
+    metrics["utterances_per_s"] = results.throughput.train_utterances_per_s
+    return hparams, metrics
 
 
 def seed_everything(seed: int) -> None:
@@ -339,7 +308,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     finished = finished_results(Path(cfg.output_dir), int(cfg.trainer.epochs))
     if finished is not None:
         logger.info(finished_message(Path(cfg.output_dir), finished))
-        return finished
+        return finished.to_dict()
     folder = RunFolder(Path(cfg.output_dir))
     try:
         return _train(cfg, folder, start)
@@ -379,64 +348,50 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         test_metrics = brain.evaluate_best(data.test)
         tested = brain.tested_checkpoint()
         stats = brain.global_train_stats()
-        results = {
-            "precision": brain.amp.name,  # as used (precision=auto resolved)
-            "eval_precision": brain.eval_amp.name,
-            "precision_requested": cfg.precision.name,
-            "device": brain.device.type,
-            "device_name": device_name(brain.device),
-            "world_size": dist_info.world_size,
-            "distributed_backend": dist_info.backend,
-            "model": cfg.model.name,
-            "task": cfg.model.task,
-            "data": cfg.data.name,
-            "dataset": data.record,
-            "overrides": _overrides(),
-            "test_metrics": test_metrics,
-            "tested_checkpoint": tested,
+        train_time_s = max(stats["time_s"], 1e-9)
+        results = RunResults(
+            precision=brain.amp.name,  # as used (precision=auto resolved)
+            eval_precision=brain.eval_amp.name,
+            precision_requested=cfg.precision.name,
+            device=brain.device.type,
+            device_name=device_name(brain.device),
+            world_size=dist_info.world_size,
+            distributed_backend=dist_info.backend,
+            model=cfg.model.name,
+            task=cfg.model.task,
+            data=cfg.data.name,
+            dataset=data.record,
+            overrides=_overrides(),
+            test_metrics=test_metrics,
+            tested_checkpoint=tested,
             # The tested checkpoint's validation metrics (not the last epoch's).
-            "valid_metrics": tested["valid_metrics"] if tested else {},
-            "valid_metrics_of": "tested_checkpoint",
-            "throughput": {
-                "train_utterances_per_s": stats["utterances"] / max(stats["time_s"], 1e-9),
-                "train_audio_seconds_per_s": stats["audio_s"] / max(stats["time_s"], 1e-9),
-                "train_time_s": stats["time_s"],
-            },
-            "peak_memory_mb": clock.peak_memory_mb(),
-            "peak_memory_kind": (
-                "cuda_max_reserved" if brain.device.type == "cuda" else "process_rss"
+            valid_metrics=tested["valid_metrics"] if tested else {},
+            valid_metrics_of="tested_checkpoint",
+            throughput=Throughput(
+                train_utterances_per_s=stats["utterances"] / train_time_s,
+                train_audio_seconds_per_s=stats["audio_s"] / train_time_s,
+                train_time_s=stats["time_s"],
             ),
-            "wall_time_s": clock.wall_time_s(),
-            "sessions": clock.sessions,
-            "epochs": cfg.trainer.epochs,
-            "epochs_completed": epochs_completed,
-            "optimizer_steps": brain.optimizer_step,
-            "skipped_steps": brain.skipped_steps,
-            "num_parameters": sum(p.numel() for p in brain.modules.model.parameters()),
-            "skipped_files": len(data.skipped_files),
-            "compile": compile_stats() if cfg.trainer.compile else None,
-            "torch_version": torch.__version__,
-        }
+            peak_memory_mb=clock.peak_memory_mb(),
+            peak_memory_kind="cuda_max_reserved" if brain.device.type == "cuda" else "process_rss",
+            wall_time_s=clock.wall_time_s(),
+            sessions=clock.sessions,
+            epochs=cfg.trainer.epochs,
+            epochs_completed=epochs_completed,
+            optimizer_steps=brain.optimizer_step,
+            skipped_steps=brain.skipped_steps,
+            num_parameters=sum(p.numel() for p in brain.modules.model.parameters()),
+            skipped_files=len(data.skipped_files),
+            compile=compile_stats() if cfg.trainer.compile else None,
+            torch_version=torch.__version__,
+        )
         ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store
         if not main:
-            return results
-        atomic_write_json(out_dir / RESULTS_FILE, results)
-        tensorboard.log_hparams(
-            {
-                "precision": brain.amp.name,
-                "device": brain.device.type,
-                "model": cfg.model.name,
-                "data": cfg.data.name,
-                "epochs": cfg.trainer.epochs,
-                "lr": cfg.model.lr,
-                "max_batch_seconds": cfg.data.max_batch_seconds * cfg.device.batch_scale,
-                "compile": cfg.trainer.compile,
-            },
-            {f"test_{k}": v for k, v in test_metrics.items()}
-            | {"utterances_per_s": results["throughput"]["train_utterances_per_s"]},
-        )
+            return results.to_dict()
+        results.write(out_dir / RESULTS_FILE)
+        tensorboard.log_hparams(*tensorboard_hparams(cfg, results, data))
     finally:
         if tensorboard is not None:
             tensorboard.close()
     logger.info("results: %s", out_dir / RESULTS_FILE)
-    return results
+    return results.to_dict()

@@ -14,9 +14,10 @@ from amp_utils.precision import check_precision_supported
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
 from data.manifest import Utterance
-from data.text import CharTokenizer, ctc_greedy_decode
-from recipes.asr.model import ctc_log_probs
-from recipes.experiment import BRAINS, LABELS_FILE, build_features, build_model
+from recipes.modules import build_modules
+from recipes.run_folder import LABELS_FILE
+from recipes.task import Task
+from recipes.tasks import task_for
 
 
 class RunNotFoundError(FileNotFoundError):
@@ -47,8 +48,9 @@ class TrainedModel:
     amp: AMPConfig
 
     @property
-    def task(self) -> str:
-        return str(self.cfg.model.task)
+    def task(self) -> Task:
+        """The run's task (its model's outputs to labels)."""
+        return task_for(self.cfg.model)
 
     @torch.no_grad()
     def label(self, audio_paths: list[str | Path]) -> list[str]:
@@ -69,13 +71,8 @@ class TrainedModel:
         batch = collate_audio([dataset[i] for i in range(len(dataset))]).to(self.device)
         with TorchAutocast(device_type=self.device.type, dtype=self.amp.dtype):
             feats, feat_lens = self.features(batch.wavs, batch.wav_lens)
-            if self.task == "asr":
-                logits, out_lens = self.model(feats, feat_lens)
-                ids = ctc_greedy_decode(ctc_log_probs(logits), out_lens)
-                tokenizer = CharTokenizer()
-                return [tokenizer.decode(seq) for seq in ids]
-            logits = self.model(feats, feat_lens)
-        return [self.speakers[i] for i in logits.argmax(dim=-1).tolist()]
+            outputs = self.model(feats, feat_lens)
+            return self.task.predict(outputs, self.speakers)
 
 
 def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32") -> TrainedModel:
@@ -87,8 +84,9 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
     dev = resolve_device(device)
     amp = AMPConfig.from_name(precision)
     check_precision_supported(amp, dev)
-    features, model = build_features(cfg), build_model(cfg, speakers)
+    modules = build_modules(cfg, speakers, augment=False)
+    features, model = modules["features"], modules["model"]
     ckpt = Checkpointer(run_dir / "checkpoints", {"module.model": model}, allow_partial_load=True)
-    if ckpt.recover_if_possible(**BRAINS[cfg.model.task].best_checkpoint_key()) is None:
+    if ckpt.recover_if_possible(**task_for(cfg.model).best_checkpoint_key()) is None:
         raise RunNotFoundError(f"No readable checkpoint in {run_dir / 'checkpoints'}.")
     return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), speakers, dev, amp)

@@ -21,7 +21,6 @@ refused job's folder records why (the sweep summary lists it as failed).
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import logging.handlers
 import sys
@@ -32,34 +31,36 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from amp_utils.run_results import RESULTS_FILE, RunResults
+
 logger = logging.getLogger(__name__)
 
-RESULTS_FILE = "results.json"
+LABELS_FILE = "labels.json"  # the task and its speaker names, for inference
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"  # the config with every interpolation resolved
 
 
-def finished_results(run_dir: Path, epochs: int) -> dict[str, Any] | None:
+def finished_results(run_dir: Path, epochs: int) -> RunResults | None:
     """The results of a run in ``run_dir`` that finished ``epochs`` epochs, else None.
 
     A run has finished when its ``results.json`` says it completed at least ``epochs``
     epochs; with more epochs requested, the run is extended instead.
     """
     try:
-        results = json.loads((run_dir / RESULTS_FILE).read_text())
+        results = RunResults.read(run_dir / RESULTS_FILE)
     except (OSError, ValueError):
         return None
-    completed = results.get("epochs_completed", results.get("epochs"))
+    completed = results.completed_epochs
     if not isinstance(completed, int) or completed < epochs:
         return None
     return results
 
 
-def finished_message(run_dir: Path, results: dict[str, Any]) -> str:
+def finished_message(run_dir: Path, results: RunResults) -> str:
     """One line: the run has finished, where its results are, how to train it further."""
     from recipes.audio_brain import format_metrics
 
-    metrics = format_metrics(results.get("test_metrics", {}))
-    completed = results.get("epochs_completed", results.get("epochs"))
+    metrics = format_metrics(results.test_metrics)
+    completed = results.completed_epochs
     return (
         f"This run has finished its {completed} epochs already (test: {metrics}); its "
         f"results are in {run_dir / RESULTS_FILE}. Nothing was changed. To train it "

@@ -16,12 +16,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from amp_utils import Checkpointer
 from amp_utils.checkpoint import read_state
+from amp_utils.run_results import RunResults
 from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
 from data.text import CharTokenizer
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
-from recipes.experiment import train
+from recipes.data_setup import build_data
+from recipes.experiment import tensorboard_hparams, train
 from recipes.inference import load_trained
 from tests.recipe_helpers import FAST, compose_config, manifest_config, run_cli
 
@@ -130,6 +132,17 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert any(t.startswith("hparam/") for t in found["scalars"]) or (
         "_hparams_/session_start_info" in found["tensors"]
     )
+
+
+def test_tensorboard_records_the_batch_budget_the_sampler_used(
+    tmp_path, fsdd_root, prepared_digits
+):
+    """hparams record the batch budget after device.batch_scale: what the sampler used."""
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "device.batch_scale=3")
+    data = build_data(cfg, torch.device("cpu"))
+    hparams, _ = tensorboard_hparams(cfg, RunResults(precision="fp32", device="cpu"), data)
+    used = data.train.batch_sampler.max_batch_seconds
+    assert used == cfg.data.max_batch_seconds * 3 and hparams["max_batch_seconds"] == used
 
 
 def test_fp16_on_cpu_logs_loss_scale(tmp_path, fsdd_root, prepared_digits):

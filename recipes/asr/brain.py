@@ -8,9 +8,16 @@ import torchaudio
 from amp_utils import Stage
 from amp_utils.compile import unwrap_module
 from data.dataset import AudioBatch
-from data.text import ctc_greedy_decode
+from data.text import CharTokenizer, ctc_greedy_decode
 from recipes.asr.model import ctc_log_probs, ctc_loss
 from recipes.audio_brain import AudioBrain
+
+
+def greedy_transcripts(
+    log_probs: torch.Tensor, out_lens: torch.Tensor, tokenizer: CharTokenizer
+) -> list[str]:
+    """Best-path CTC transcripts of ``[B, T, vocab]`` log-probabilities (scoring, inference)."""
+    return [tokenizer.decode(ids) for ids in ctc_greedy_decode(log_probs, out_lens)]
 
 
 class ASRBrain(AudioBrain):
@@ -54,8 +61,7 @@ class ASRBrain(AudioBrain):
         self.examples: list[tuple[str, str]] = []
 
     def _score(self, log_probs: torch.Tensor, out_lens: torch.Tensor, batch: AudioBatch) -> None:
-        tokenizer = self.hparams.tokenizer
-        hyps = [tokenizer.decode(ids) for ids in ctc_greedy_decode(log_probs, out_lens)]
+        hyps = greedy_transcripts(log_probs, out_lens, self.hparams.tokenizer)
         for ref, hyp in zip(batch.transcripts, hyps, strict=True):
             self.char_edits += torchaudio.functional.edit_distance(ref, hyp)
             self.char_total += len(ref)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from data.dataset import AudioBatch, collate_audio
-from data.features import LogMelFeatures
 from data.text import ctc_greedy_decode
+from recipes.frontend import LogMelFeatures
 
 pytestmark = [
     pytest.mark.gpu,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data.features import LogMelFeatures, SpecAugment
+from recipes.frontend import LogMelFeatures, SpecAugment
 
 
 @pytest.fixture

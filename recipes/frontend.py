@@ -1,14 +1,17 @@
-"""Log-mel features with per-utterance normalisation, and SpecAugment.
+"""The device-side front end of every model: log-mel features and SpecAugment.
 
-Features are computed in float32 even under autocast (``fwd_default_precision``): the
-power spectrum and its log overflow or lose all precision in fp16, and they are cheap
-next to the model.
+Both are ``nn.Module``s that run on the device, inside the training step and under its
+autocast, so they live with the models rather than with the data loading (``data/``
+yields waveforms). Features are computed in float32 even under autocast
+(``fwd_default_precision``): the power spectrum and its log overflow or lose all precision
+in fp16, and they are cheap next to the model.
 """
 
 from __future__ import annotations
 
 import torch
 import torchaudio
+from omegaconf import DictConfig
 
 from amp_utils.autocast import fwd_default_precision
 
@@ -112,3 +115,23 @@ class SpecAugment(torch.nn.Module):
         for _ in range(self.n_time_masks):
             spec = self.time_masking(spec)
         return spec.squeeze(1).transpose(1, 2)
+
+
+def build_features(data_cfg: DictConfig) -> LogMelFeatures:
+    """Log-mel front end of the configured data set (``data.sample_rate``, ``data.features``)."""
+    f = data_cfg.features
+    return LogMelFeatures(
+        sample_rate=data_cfg.sample_rate,
+        n_fft=f.n_fft,
+        win_length=f.win_length,
+        hop_length=f.hop_length,
+        n_mels=f.n_mels,
+    )
+
+
+def build_augment(data_cfg: DictConfig) -> SpecAugment | None:
+    """SpecAugment as configured in ``data.spec_augment``, or None when it is off."""
+    aug = data_cfg.spec_augment
+    if not aug.enabled:
+        return None
+    return SpecAugment(aug.freq_mask, aug.time_mask, aug.n_freq_masks, aug.n_time_masks)

@@ -1,0 +1,115 @@
+"""``RunResults``: what one training run writes to ``results.json``, as one typed record.
+
+The run writes it (``recipes/experiment.py``), and the sweep summary, the finished-run
+check of a run folder and the tests read it through ``RunResults.from_json``, so the keys
+are spelled in this one place. Reading is tolerant: a key that a file from an older version
+lacks takes its default, and a key this version does not know is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from amp_utils.atomic import atomic_write_json
+
+RESULTS_FILE = "results.json"
+
+
+@dataclass
+class Throughput:
+    """Training speed over the whole run (all sessions), validation excluded."""
+
+    train_utterances_per_s: float | None = None
+    train_audio_seconds_per_s: float | None = None
+    train_time_s: float | None = None
+
+
+@dataclass
+class RunResults:
+    """The record of a whole run, over all its sessions (resumes); ``results.json``.
+
+    Metrics are in percent for CER, WER and accuracy. ``valid_metrics`` are those of the
+    tested checkpoint (``valid_metrics_of``), not of the last epoch.
+    """
+
+    precision: str | None = None  # as used (precision=auto resolved)
+    eval_precision: str | None = None
+    precision_requested: str | None = None  # as asked for (e.g. "auto")
+    device: str | None = None  # device type: cpu, cuda
+    device_name: str | None = None
+    world_size: int = 1  # DDP processes
+    distributed_backend: str | None = None
+    model: str | None = None
+    task: str | None = None
+    data: str | None = None
+    dataset: dict[str, Any] = field(default_factory=dict)  # root, manifests, split sizes
+    overrides: list[str] | None = None  # Hydra overrides of the run (None: not recorded)
+    test_metrics: dict[str, float] = field(default_factory=dict)
+    tested_checkpoint: dict[str, Any] | None = None  # which checkpoint the test used
+    valid_metrics: dict[str, float] = field(default_factory=dict)
+    valid_metrics_of: str = "tested_checkpoint"
+    throughput: Throughput = field(default_factory=Throughput)
+    peak_memory_mb: float | None = None
+    peak_memory_kind: str | None = None  # cuda_max_reserved | process_rss
+    wall_time_s: float | None = None
+    sessions: int = 1
+    epochs: int | None = None  # planned (trainer.epochs)
+    epochs_completed: int | None = None
+    optimizer_steps: int | None = None
+    skipped_steps: int | None = None  # non-finite steps not applied
+    num_parameters: int | None = None
+    skipped_files: int = 0  # unreadable audio files skipped (data.skip_bad_files)
+    compile: dict[str, Any] | None = None  # torch.compile statistics, when compiled
+    torch_version: str | None = None
+
+    @property
+    def completed_epochs(self) -> int | None:
+        """Epochs the run completed (older files recorded only the planned ``epochs``)."""
+        return self.epochs_completed if self.epochs_completed is not None else self.epochs
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of ``results.json`` (plain dicts, lists and numbers)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """``results.json``'s text."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunResults:
+        """The record of a ``results.json`` object; missing keys take their defaults.
+
+        Raises:
+            ValueError: ``data`` is not a JSON object.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"results must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in known}
+        throughput = values.get("throughput")
+        if isinstance(throughput, dict):
+            speed_keys = {f.name for f in dataclasses.fields(Throughput)}
+            values["throughput"] = Throughput(
+                **{k: v for k, v in throughput.items() if k in speed_keys}
+            )
+        else:
+            values.pop("throughput", None)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunResults:
+        """Parse ``results.json``'s text (raises ``ValueError`` if it is not a JSON object)."""
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def read(cls, path: Path) -> RunResults:
+        """Read a ``results.json`` file (raises ``OSError`` or ``ValueError``)."""
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+    def write(self, path: Path) -> None:
+        """Write atomically to ``path`` (readers never see half a file)."""
+        atomic_write_json(Path(path), self.to_dict())

@@ -1,0 +1,54 @@
+"""What a task (ASR, speaker ID) is to the recipes: the ``Task`` record of its parts.
+
+Each task defines one ``Task`` next to its model and Brain (``recipes/asr/task.py``,
+``recipes/speaker/task.py``); ``recipes/tasks.py`` collects them into the registry that
+training, data setup, inference and the benchmark look tasks up in, so that no other module
+branches on the task's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from recipes.audio_brain import AudioBrain
+
+#: ``build_model(model_cfg, n_mels, speakers)``: the task's model for ``n_mels``-bin
+#: features and the run's speaker names (the classes of speaker ID).
+ModelBuilder = Callable[[DictConfig, int, tuple[str, ...]], torch.nn.Module]
+#: ``predict(model_outputs, speakers)``: the model's outputs for a batch -> one label each
+#: (a transcript, a speaker name).
+Predictor = Callable[[Any, tuple[str, ...]], list[str]]
+
+
+@dataclass(frozen=True)
+class Task:
+    """The task-specific parts of a recipe, looked up by name in ``recipes.tasks``.
+
+    Attributes:
+        name: the task's name, as in ``model.task`` (``asr``, ``speaker``).
+        model_names: the ``model.name`` options that train this task.
+        brain_class: its Brain (forward, objectives, metrics; the metric that picks the
+            best checkpoint is the Brain's ``metric_key``/``metric_mode``).
+        build_model: makes its model (see ``ModelBuilder``).
+        predict: model outputs to labels, for inference (see ``Predictor``).
+        needs_tokenizer: the batches carry character targets (``CharTokenizer``).
+        closed_set_speakers: the speakers are the classes: only those of the training
+            split are known, and evaluation speakers must be among them.
+    """
+
+    name: str
+    model_names: tuple[str, ...]
+    brain_class: type[AudioBrain]
+    build_model: ModelBuilder
+    predict: Predictor
+    needs_tokenizer: bool
+    closed_set_speakers: bool
+
+    def best_checkpoint_key(self) -> dict[str, str]:
+        """``min_key=``/``max_key=`` that picks the best checkpoint by the task's metric."""
+        return self.brain_class.best_checkpoint_key()

@@ -1,0 +1,79 @@
+"""``RunResults``: the one record of results.json that the run and its readers share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from amp_utils.run_results import RunResults, Throughput
+
+#: results.json's keys, in order: users and tests read them by these names.
+RESULTS_KEYS = [
+    "precision",
+    "eval_precision",
+    "precision_requested",
+    "device",
+    "device_name",
+    "world_size",
+    "distributed_backend",
+    "model",
+    "task",
+    "data",
+    "dataset",
+    "overrides",
+    "test_metrics",
+    "tested_checkpoint",
+    "valid_metrics",
+    "valid_metrics_of",
+    "throughput",
+    "peak_memory_mb",
+    "peak_memory_kind",
+    "wall_time_s",
+    "sessions",
+    "epochs",
+    "epochs_completed",
+    "optimizer_steps",
+    "skipped_steps",
+    "num_parameters",
+    "skipped_files",
+    "compile",
+    "torch_version",
+]
+
+
+def test_keys_and_round_trip(tmp_path: Path) -> None:
+    results = RunResults(
+        precision="bf16",
+        model="xvector",
+        test_metrics={"accuracy": 99.0, "loss": 0.1},
+        throughput=Throughput(train_utterances_per_s=120.0, train_time_s=3.0),
+        epochs=2,
+        epochs_completed=2,
+    )
+    data = json.loads(results.to_json())
+    assert list(data) == RESULTS_KEYS
+    assert list(data["throughput"]) == [
+        "train_utterances_per_s",
+        "train_audio_seconds_per_s",
+        "train_time_s",
+    ]
+    results.write(tmp_path / "results.json")
+    assert RunResults.read(tmp_path / "results.json") == results
+
+
+def test_older_files_missing_keys_take_defaults_and_unknown_keys_are_ignored() -> None:
+    old = RunResults.from_json(
+        json.dumps({"precision": "fp32", "epochs": 3, "throughput": {"utt": 1}, "new_key": 1})
+    )
+    assert old.precision == "fp32" and old.world_size == 1 and old.test_metrics == {}
+    assert old.completed_epochs == 3  # older files recorded only the planned epochs
+    assert old.throughput == Throughput()
+
+
+def test_a_file_that_is_not_an_object_is_refused() -> None:
+    for text in ("[1, 2]", "{not json"):
+        try:
+            RunResults.from_json(text)
+        except ValueError:
+            continue
+        raise AssertionError(f"{text!r} was accepted")

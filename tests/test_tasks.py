@@ -1,0 +1,44 @@
+"""The task registry: each model belongs to one task; unknown names fail naming valid ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from data.text import CharTokenizer
+from recipes.asr.brain import ASRBrain
+from recipes.speaker.brain import SpeakerBrain
+from recipes.tasks import MODEL_TASKS, TASKS, UnknownTaskError, get_task, task_for
+
+
+def test_every_model_belongs_to_one_task() -> None:
+    assert MODEL_TASKS == {"conformer_ctc": "asr", "conformer_ctc_m": "asr", "xvector": "speaker"}
+    assert TASKS["asr"].brain_class is ASRBrain and TASKS["speaker"].brain_class is SpeakerBrain
+    assert TASKS["asr"].best_checkpoint_key() == {"min_key": "CER"}
+    assert TASKS["speaker"].best_checkpoint_key() == {"max_key": "accuracy"}
+    assert TASKS["asr"].needs_tokenizer and not TASKS["asr"].closed_set_speakers
+    assert TASKS["speaker"].closed_set_speakers and not TASKS["speaker"].needs_tokenizer
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"name": "xvector", "task": "tts"}, "model.task='tts' is not a task; choose one of: asr"),
+        ({"name": "lstm", "task": "asr"}, "model.name='lstm' is not a model; choose one of: conf"),
+        ({"name": "xvector", "task": "asr"}, "does not fit model.name='xvector'"),
+    ],
+)
+def test_unknown_names_fail_with_the_valid_ones(model, message) -> None:
+    with pytest.raises(UnknownTaskError, match=message):
+        task_for(OmegaConf.create(model))
+
+
+def test_predictions_are_labels() -> None:
+    speakers = ("george", "jackson")
+    logits = torch.tensor([[0.1, 2.0], [3.0, 0.0]])
+    assert get_task("speaker").predict(logits, speakers) == ["jackson", "george"]
+    # Greedy CTC: "a" (2) twice in a row collapses, the blank (0) separates "b" (3).
+    ids = torch.tensor([[2, 2, 0, 3, 0]])
+    logits = torch.nn.functional.one_hot(ids, CharTokenizer().vocab_size).float() * 10
+    assert get_task("asr").predict((logits, torch.tensor([5])), speakers) == ["ab"]
