@@ -19,6 +19,7 @@ from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.precision import resolve_device
 from recipes.benchmarking import run_benchmark, summarize
 from recipes.config import register_resolvers, validate_config
+from recipes.schema import register_schemas
 from recipes.data_setup import build_data
 from recipes.experiment import (
     build_brain,
@@ -31,6 +32,7 @@ from recipes.experiment import (
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger(__name__)
 register_resolvers()
+register_schemas()
 
 
 def benchmark(cfg: DictConfig) -> list[dict]:

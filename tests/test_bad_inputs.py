@@ -93,7 +93,6 @@ def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
         ("data.max_batch_seconds=-1", "data.max_batch_seconds=-1 is not valid"),
         ("data.max_batch_seconds=0", "data.max_batch_seconds=0 is not valid"),
         ("device.name=tpu", "choose one of: auto, cpu, cuda, cuda:N"),
-        ("precision.name=fp8", "choose one of: fp32, fp16, bf16"),
         ("trainer.compile_mode=fastest", "choose one of: default, reduce-overhead"),
         ("model.task=speaker", "does not fit model.name='conformer_ctc'"),
         ("trainer.distributed_backend=mpi", "choose one of: auto, nccl, gloo"),
