@@ -19,7 +19,6 @@ from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.precision import resolve_device
 from recipes.benchmarking import run_benchmark, summarize
 from recipes.config import register_resolvers, validate_config
-from recipes.schema import register_schemas
 from recipes.data_setup import build_data
 from recipes.experiment import (
     build_brain,
@@ -28,6 +27,7 @@ from recipes.experiment import (
     run_options,
     seed_everything,
 )
+from recipes.schema import register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger(__name__)

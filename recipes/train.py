@@ -20,9 +20,9 @@ import hydra
 from omegaconf import DictConfig
 
 from recipes.config import register_resolvers
-from recipes.schema import register_schemas
 from recipes.experiment import USER_ERRORS, train
 from recipes.run_folder import log_to_files
+from recipes.schema import register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_resolvers()
