@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.distributed import BACKENDS
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name
+from recipes.schema import schema_help
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("precision", "device", "model", "data", "trainer")  # config groups with a node
@@ -52,6 +53,7 @@ HELP_EXAMPLES = (
     "python recipes/train.py model=xvector trainer.epochs=5",
     "python recipes/train.py -m precision=fp32,fp16,bf16  # sweep + comparison table",
     "python recipes/train.py model=xvector --cfg job --resolve  # show the config, run nothing",
+    "python recipes/train.py debug=fast                   # the whole recipe, 2 batches x 2 epochs (tests)",
 )
 
 
@@ -100,7 +102,9 @@ def config_help() -> str:
     out += ["", "Most used keys (key=value; every key: --cfg job):"]
     for group, key in HELP_KEYS:
         option = defaults.get(group, "default")
-        comment = _comments(CONF_DIR / group / f"{option}.yaml")[1].get(key, "")
+        comment = _comments(CONF_DIR / group / f"{option}.yaml")[1].get(key) or schema_help(
+            group, key
+        )
         out.append(f"  {f'{group}.{key}':<33} {comment}")
     out.append(f"  {'hydra.run.dir':<33} the run folder (default: outputs/<data>/<model>/...)")
     out += ["", "Examples:", *(f"  {example}" for example in HELP_EXAMPLES)]

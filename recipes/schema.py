@@ -16,7 +16,7 @@ SpecAugment), so no option file repeats them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Optional
 
@@ -38,8 +38,25 @@ class PrecisionConfig:
     """``precision/*``: the training and evaluation autocast precisions."""
 
     name: Precision = MISSING  # training autocast precision
-    eval_precision: Precision = "${.name}"  # type: ignore[assignment]  # validation/test forward passes (default: as name)
-    allow_tf32: bool = False  # fp32 matmuls stay true fp32 on Ampere+ GPUs unless true
+    eval_precision: Precision = field(
+        default="${.name}",  # type: ignore[assignment]
+        metadata={"help": "precision of validation/test forward passes (default: as name)"},
+    )
+    allow_tf32: bool = field(
+        default=False,
+        metadata={"help": "let fp32 matmuls use TF32 on Ampere+ GPUs (false: true fp32)"},
+    )
+
+
+def schema_help(group: str, key: str) -> str:
+    """The ``help`` of ``key`` in the schemas of ``group``: the one-line comment of a field
+    whose default lives here rather than in the YAML options (``--help`` shows it)."""
+    for schema_group, _, schema in SCHEMAS:
+        if schema_group == group:
+            for schema_field in fields(schema):
+                if schema_field.name == key and "help" in schema_field.metadata:
+                    return schema_field.metadata["help"]
+    return ""
 
 
 @dataclass
