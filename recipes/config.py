@@ -53,7 +53,7 @@ HELP_EXAMPLES = (
     "python recipes/train.py model=xvector trainer.epochs=5",
     "python recipes/train.py -m precision=fp32,fp16,bf16  # sweep + comparison table",
     "python recipes/train.py model=xvector --cfg job --resolve  # show the config, run nothing",
-    "python recipes/train.py debug=fast                   # the whole recipe, 2 batches x 2 epochs (tests)",
+    "python recipes/train.py debug=fast                   # quick check: 2 batches x 2 epochs",
 )
 
 
