@@ -31,25 +31,29 @@ class DeviceNotAvailableError(RuntimeError):
     """The requested device (e.g. a CUDA GPU) is not present on this machine."""
 
 
+def parse_device_name(name: str) -> str:
+    """Check a device string's form (``auto``, ``cpu``, ``cuda`` or ``cuda:N``) without
+    touching the hardware; returns it. The one parser of device names: the config check
+    calls it before any work, ``resolve_device`` when the run starts.
+
+    Raises:
+        ValueError: the name is none of those forms; the message lists the valid ones.
+    """
+    name = str(name)
+    if name in ("auto", "cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit()):
+        return name
+    raise ValueError(f"Unknown device {name!r}; valid choices are: {', '.join(DEVICE_CHOICES)}.")
+
+
 def resolve_device(name: str | torch.device) -> torch.device:
     """Turn ``auto``/``cpu``/``cuda``/``cuda:N`` into a device, failing clearly if absent.
 
     ``auto`` picks the first CUDA GPU when there is one, else the CPU.
     """
-    if isinstance(name, torch.device):
-        name = str(name)
+    name = parse_device_name(str(name))
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(
-            f"Unknown device {name!r}; valid choices are: {', '.join(DEVICE_CHOICES)}."
-        ) from err
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"Unsupported device {name!r}; valid choices are: {', '.join(DEVICE_CHOICES)}."
-        )
+    device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceNotAvailableError(

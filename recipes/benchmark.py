@@ -22,10 +22,12 @@ from recipes.config import register_resolvers, validate_config
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain, device_name, run_options, seed_everything
 from recipes.modules import build_modules
+from recipes.schema import register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger(__name__)
 register_resolvers()
+register_schemas()
 
 
 def benchmark(cfg: DictConfig) -> list[dict]:

@@ -1,18 +1,16 @@
-"""Config helpers of the recipes: OmegaConf resolvers and the early validation of a config.
+"""Config helpers of the recipes: OmegaConf resolvers, ``--help``, and the value check.
 
-Hydra already rejects unknown group options (``precision=fp8`` lists the available ones)
-and overrides of keys that do not exist; ``validate_config`` checks the values and refuses
-keys that no config file defines (``+trainer.epohcs=3`` would otherwise be accepted and
-ignored), so a bad setting fails before any data is prepared, with one line naming the
-valid choices.
-
-The schema of a group's node is the YAML file of the chosen option (``conf/<group>/
-<option>.yaml``): every key there has a default and a comment, and a key that is in none of
-them is not used by the recipes.
+The config's types live in ``recipes/schema.py`` (dataclasses in Hydra's ConfigStore): while
+composing, Hydra refuses unknown group options (``precision=fp8`` lists the available ones),
+overrides of keys no schema has and values of the wrong type. ``validate_config`` checks, once
+and before any work, what a type cannot: keys added with ``+`` (``+trainer.epohcs=3`` would
+otherwise be accepted and ignored), value ranges and the device string, each refusal one line
+naming the key and the valid choices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -20,9 +18,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from amp_utils.autocast import PRECISIONS
 from amp_utils.distributed import BACKENDS
-from amp_utils.precision import AUTO, DEVICE_CHOICES
+from amp_utils.precision import DEVICE_CHOICES, parse_device_name
+from recipes.schema import schema_help
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("precision", "device", "model", "data", "trainer")  # config groups with a node
@@ -55,6 +53,7 @@ HELP_EXAMPLES = (
     "python recipes/train.py model=xvector trainer.epochs=5",
     "python recipes/train.py -m precision=fp32,fp16,bf16  # sweep + comparison table",
     "python recipes/train.py model=xvector --cfg job --resolve  # show the config, run nothing",
+    "python recipes/train.py debug=fast                   # quick check: 2 batches x 2 epochs",
 )
 
 
@@ -103,7 +102,9 @@ def config_help() -> str:
     out += ["", "Most used keys (key=value; every key: --cfg job):"]
     for group, key in HELP_KEYS:
         option = defaults.get(group, "default")
-        comment = _comments(CONF_DIR / group / f"{option}.yaml")[1].get(key, "")
+        comment = _comments(CONF_DIR / group / f"{option}.yaml")[1].get(key) or schema_help(
+            group, key
+        )
         out.append(f"  {f'{group}.{key}':<33} {comment}")
     out.append(f"  {'hydra.run.dir':<33} the run folder (default: outputs/<data>/<model>/...)")
     out += ["", "Examples:", *(f"  {example}" for example in HELP_EXAMPLES)]
@@ -129,39 +130,6 @@ def _positive(cfg: DictConfig, key: str, integer: bool = False) -> None:
         )
 
 
-def _leaf_keys(node: Any, prefix: str = "") -> set[str]:
-    """Dotted paths of the leaves of a nested mapping (a ``defaults`` list is no key)."""
-    if not isinstance(node, Mapping) or not node:
-        return {prefix.rstrip(".")}
-    keys: set[str] = set()
-    for key, value in node.items():
-        if key != "defaults":
-            keys |= _leaf_keys(value, f"{prefix}{key}.")
-    return keys
-
-
-def _yaml_keys(path: Path) -> set[str]:
-    return _leaf_keys(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
-
-
-def _option_keys(group: str, option: str) -> set[str]:
-    """Keys of ``conf/<group>/<option>.yaml`` and of the same-group options it extends."""
-    node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"))
-    keys = _leaf_keys(node)
-    for parent in node.get("defaults", []) if isinstance(node, dict) else []:
-        if isinstance(parent, str) and parent != "_self_":
-            keys |= _option_keys(group, parent)
-    return keys
-
-
-def _group_schema(group: str, option: str | None) -> set[str]:
-    """Keys of the group's chosen option; of all the group's options if it is unknown."""
-    if option is not None and (CONF_DIR / group / f"{option}.yaml").is_file():
-        return _option_keys(group, option)
-    options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-    return set().union(*(_option_keys(group, o) for o in options))
-
-
 def _refuse_unknown(unknown: list[str], known: set[str], where: str) -> None:
     if not unknown:
         return
@@ -174,55 +142,46 @@ def _refuse_unknown(unknown: list[str], known: set[str], where: str) -> None:
     )
 
 
-def check_known_keys(
-    cfg: DictConfig, choices: Mapping[str, str] | None = None, primary: str | None = None
-) -> None:
-    """Refuse every key that no config file defines (e.g. ``+trainer.epohcs=3``).
+def check_known_keys(node: DictConfig, where: str = "") -> None:
+    """Refuse every key of ``node`` (and its typed children) that its schema does not have.
 
-    Args:
-        cfg: the composed config (with or without its ``hydra`` node).
-        choices: the chosen option of each group (Hydra's ``runtime.choices``); without
-            them, a group's ``name`` key names its option, else all options' keys count.
-        primary: the primary config file (``conf/<primary>.yaml``) that defines the top
-            level; None: the top level is not checked.
+    Hydra lets ``+key=value`` add a key to a typed node; the recipes would ignore it.
 
     Raises:
-        ConfigError: one line naming the first unknown key and the valid ones.
+        ConfigError: one line naming the first unknown key, a close match, the valid keys.
     """
-    if primary is not None:
-        top = {key.split(".")[0] for key in _yaml_keys(CONF_DIR / f"{primary}.yaml")}
-        top = top - {"hydra"} | set(GROUPS)
-        _refuse_unknown(sorted(set(cfg.keys()) - top - {"hydra"}), top, "")
-    for group in GROUPS:
-        if group not in cfg:
-            continue
-        option = (choices or {}).get(group) or OmegaConf.select(cfg, f"{group}.name")
-        known = _group_schema(group, "default" if group == "trainer" else option)
-        used = _leaf_keys(OmegaConf.to_container(cfg[group], resolve=False))
-        # A leaf of the schema may hold a mapping or list (e.g. compile_module_keys).
-        unknown = [
-            k for k in sorted(used) if not any(k == s or k.startswith(f"{s}.") for s in known)
-        ]
-        _refuse_unknown(unknown, known, f"{group}.")
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    known = {f.name for f in dataclasses.fields(schema)}
+    used = {str(key) for key in node} - ({"hydra"} if not where else set())
+    _refuse_unknown(sorted(used - known), known, where)
+    for key in sorted(used):
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            check_known_keys(child, f"{where}{key}.")
 
 
 def validate_config(
     cfg: DictConfig, choices: Mapping[str, str] | None = None, primary: str | None = None
 ) -> None:
-    """Check every key and value a run depends on; raises ConfigError on the first bad one.
+    """Check what the schema's types cannot; raises ConfigError on the first bad value.
 
-    ``choices`` and ``primary`` are passed on to ``check_known_keys``.
+    Args:
+        cfg: the composed, typed config (with or without its ``hydra`` node).
+        choices: the chosen option of each group; unused since the schema types each node
+            (kept for the callers' signature).
+        primary: the primary config's name; unused likewise.
     """
-    check_known_keys(cfg, choices, primary)
-    _choice(cfg, "precision.name", (*PRECISIONS, AUTO))
-    _choice(cfg, "precision.eval_precision", (*PRECISIONS, AUTO))
-    device = str(cfg.device.name)
-    if not (
-        device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
-    ):
+    del choices, primary  # the node types say which schema applies
+    check_known_keys(cfg)
+    try:
+        parse_device_name(cfg.device.name)
+    except ValueError as err:
         raise ConfigError(
-            f"device.name={device!r} is not valid; choose one of: {', '.join(DEVICE_CHOICES)}."
-        )
+            f"device.name={cfg.device.name!r} is not valid; choose one of: "
+            f"{', '.join(DEVICE_CHOICES)}."
+        ) from err
     _choice(cfg, "model.name", MODELS)
     _choice(cfg, "model.task", TASKS)
     if MODELS[cfg.model.name] != cfg.model.task:

@@ -22,9 +22,11 @@ from omegaconf import DictConfig
 from recipes.config import register_resolvers
 from recipes.experiment import USER_ERRORS, train
 from recipes.run_folder import log_to_files
+from recipes.schema import register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_resolvers()
+register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")

@@ -11,22 +11,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from recipes.config import register_resolvers
+from recipes.schema import register_schemas
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 
-#: Small, CPU-only, quick: a couple of batches, a couple of epochs, no progress bars.
-FAST = [
-    "device=cpu",
-    "device.num_workers=0",
-    "trainer.debug=true",
-    "trainer.debug_batches=2",
-    "trainer.debug_epochs=2",
-    "trainer.noprogressbar=true",
-    "trainer.log_interval_steps=1",
-    "data.max_batch_seconds=8",
-    "model.warmup_steps=2",
-]
+#: Small, CPU-only, quick: a couple of batches, a couple of epochs, no progress bars
+#: (``conf/debug/fast.yaml``, which users can run too).
+FAST = ["debug=fast"]
 
 
 #: data=manifest over FSDD files (8 kHz), for tests that write their own manifests.
@@ -55,6 +47,7 @@ def manifest_config(manifests: dict[str, Path], output_dir: Path, *extra: str) -
 def compose_config(overrides: list[str]) -> DictConfig:
     """The real composed config with ``overrides`` (as ``recipes/train.py`` would get it)."""
     register_resolvers()
+    register_schemas()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 

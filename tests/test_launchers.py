@@ -17,6 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
 from recipes.config import register_resolvers
+from recipes.schema import register_schemas
 from tests.recipe_helpers import CONF_DIR, FAST, run_cli
 from tests.test_recipes import prepared_digits  # noqa: F401 - session fixture
 
@@ -77,6 +78,7 @@ def test_submitit_job_with_two_tasks_trains_with_ddp(
 @pytest.fixture
 def slurm_launcher_config(tmp_path):
     register_resolvers()
+    register_schemas()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
         yield compose(

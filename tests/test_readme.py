@@ -42,11 +42,13 @@ def test_every_readme_train_command_composes_and_validates():
     from hydra.core.global_hydra import GlobalHydra
 
     from recipes.config import register_resolvers, validate_config
+    from recipes.schema import register_schemas
     from tests.recipe_helpers import CONF_DIR
 
     commands = readme_train_overrides()
     assert len(commands) >= 10 and any("hydra/launcher=slurm" in c for c in commands)
     register_resolvers()
+    register_schemas()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="t"):
         for overrides in commands:

@@ -1,0 +1,259 @@
+"""The typed schema of the recipes' config: one dataclass per config group option family.
+
+Registered in Hydra's ``ConfigStore`` (``register_schemas``) as ``base_<name>`` entries; each
+YAML option under ``conf/<group>/`` extends its schema through its defaults list
+(``defaults: [base_xxx, _self_]``), and ``conf/config.yaml`` / ``conf/benchmark.yaml`` extend
+``base_config`` / ``base_benchmark_config``. Hydra then refuses, while composing, every
+override of a key the schema does not have (``trainer.epohcs=3``) and every value of the wrong
+type (``trainer.epochs=abc``, ``precision.name=fp8``), naming the key and the valid choices.
+Keys added with ``+`` and value ranges a type cannot express are checked once, over the
+composed config, by ``recipes.config.validate_config``.
+
+The YAML files hold the values and their one-line comments (``--help`` reads them); the
+defaults here are only for what the options share (``eval_precision``, ``allow_tf32``,
+SpecAugment), so no option file repeats them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class Precision(StrEnum):
+    """Autocast precision names (a ``str``: ``Precision.fp16 == "fp16"``)."""
+
+    fp32 = "fp32"  # full precision, autocast off
+    fp16 = "fp16"  # float16 autocast + GradScaler
+    bf16 = "bf16"  # bfloat16 autocast
+    auto = "auto"  # the device's fastest native precision, resolved when the run starts
+
+
+@dataclass
+class PrecisionConfig:
+    """``precision/*``: the training and evaluation autocast precisions."""
+
+    name: Precision = MISSING  # training autocast precision
+    eval_precision: Precision = field(
+        default="${.name}",  # type: ignore[assignment]
+        metadata={"help": "precision of validation/test forward passes (default: as name)"},
+    )
+    allow_tf32: bool = field(
+        default=False,
+        metadata={"help": "let fp32 matmuls use TF32 on Ampere+ GPUs (false: true fp32)"},
+    )
+
+
+def schema_help(group: str, key: str) -> str:
+    """The ``help`` of ``key`` in the schemas of ``group``: the one-line comment of a field
+    whose default lives here rather than in the YAML options (``--help`` shows it)."""
+    for schema_group, _, schema in SCHEMAS:
+        if schema_group == group:
+            for schema_field in fields(schema):
+                if schema_field.name == key and "help" in schema_field.metadata:
+                    return schema_field.metadata["help"]
+    return ""
+
+
+@dataclass
+class DeviceConfig:
+    """``device/*``: where the run trains and how its data loader feeds it."""
+
+    name: str = MISSING  # auto | cpu | cuda | cuda:N (checked by amp_utils.precision)
+    num_workers: int = MISSING  # DataLoader worker processes
+    pin_memory: bool = MISSING  # page-locked host memory for host->GPU copies
+    batch_scale: float = MISSING  # multiplies data.max_batch_seconds
+
+
+@dataclass
+class ModelConfig:
+    """What every model option has: its name, task and optimizer schedule."""
+
+    name: str = MISSING  # model name (also the run folder)
+    task: str = MISSING  # asr | speaker
+    dropout: float = MISSING  # dropout rate
+    lr: float = MISSING  # peak AdamW learning rate
+    weight_decay: float = MISSING  # AdamW weight decay
+    warmup_steps: int = MISSING  # linear warm-up steps before cosine decay
+    epochs: int = MISSING  # default trainer.epochs for this model
+
+
+@dataclass
+class ConformerConfig(ModelConfig):
+    """``model/conformer_ctc*``: a Conformer-CTC recognizer."""
+
+    d_model: int = MISSING  # encoder width
+    num_layers: int = MISSING  # Conformer blocks
+    num_heads: int = MISSING  # attention heads
+    ffn_dim: int = MISSING  # feed-forward width
+    conv_kernel: int = MISSING  # depthwise convolution kernel
+    subsampling: int = MISSING  # time reduction of the conv front end
+
+
+@dataclass
+class XvectorConfig(ModelConfig):
+    """``model/xvector``: an x-vector speaker classifier."""
+
+    channels: int = MISSING  # TDNN channels
+    embedding_dim: int = MISSING  # speaker embedding size
+    max_batch_seconds: float = MISSING  # default data.max_batch_seconds for this model
+
+
+@dataclass
+class FeaturesConfig:
+    """Log-mel features."""
+
+    n_mels: int = MISSING  # log-mel bands
+    n_fft: int = MISSING  # FFT size
+    win_length: int = MISSING  # window length (samples)
+    hop_length: int = MISSING  # hop length (samples)
+
+
+@dataclass
+class SpecAugmentConfig:
+    """SpecAugment masking during training (torchaudio transforms); shared by every data set."""
+
+    enabled: bool = True  # off: train on clean features
+    freq_mask: int = 8  # widest frequency mask (mel bins)
+    time_mask: int = 8  # widest time mask (frames); digits last only 30-80 frames
+    n_freq_masks: int = 2  # frequency masks per utterance
+    n_time_masks: int = 2  # time masks per utterance
+
+
+@dataclass
+class DataConfig:
+    """What every data option has: audio, features and batching."""
+
+    name: str = MISSING  # data set name (also the run folder)
+    sample_rate: int = MISSING  # audio is resampled to this rate
+    max_batch_seconds: float = MISSING  # padded seconds of audio per batch
+    num_buckets: int = MISSING  # length buckets for batching similar durations together
+    pad_to_buckets: bool = MISSING  # pad every batch to its bucket's longest utterance
+    skip_bad_files: bool = MISSING  # skip (and count) unreadable audio instead of failing
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
+
+
+@dataclass
+class FsddDigitsConfig(DataConfig):
+    """``data/fsdd_digits``: FSDD, one digit per utterance."""
+
+    root: str = MISSING  # local FSDD copy
+    download: bool = MISSING  # download FSDD when root has no recordings
+    prepared_dir: str = MISSING  # where manifests (and generated audio) go
+
+
+@dataclass
+class FsddConnectedConfig(FsddDigitsConfig):
+    """``data/fsdd_connected``: connected digits generated from FSDD."""
+
+    num_train: int = MISSING  # training utterances
+    num_valid: int = MISSING  # validation utterances
+    num_test: int = MISSING  # test utterances
+    min_digits: int = MISSING  # fewest digits per utterance
+    max_digits: int = MISSING  # most digits per utterance
+    silence_min: float = MISSING  # shortest pause between digits (s)
+    silence_max: float = MISSING  # longest pause between digits (s)
+    generation_seed: int = MISSING  # seed of the utterance generator
+    epochs: int = MISSING  # default trainer.epochs for this data set
+
+
+@dataclass
+class ManifestConfig(DataConfig):
+    """``data/manifest``: your own CSV/JSONL manifests."""
+
+    train: str = MISSING  # training manifest path
+    valid: str = MISSING  # validation manifest path
+    test: str = MISSING  # test manifest path
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer/*``: loop options; they map onto ``amp_utils.RunOptions``."""
+
+    epochs: int = MISSING
+    max_grad_norm: float = MISSING
+    grad_accumulation_factor: int = MISSING
+    skip_nonfinite_grads: bool = MISSING
+    nonfinite_patience: int = MISSING
+    noprogressbar: bool = MISSING
+    ckpt_interval_minutes: float = MISSING
+    ckpt_interval_steps: int = MISSING
+    keep_checkpoints: int = MISSING
+    debug: bool = MISSING
+    debug_batches: int = MISSING
+    debug_epochs: int = MISSING
+    compile: bool = MISSING
+    compile_module_keys: Optional[list[str]] = None  # noqa: UP045 (OmegaConf needs Optional)
+    compile_mode: str = MISSING
+    compile_backend: str = MISSING
+    compile_regions: bool = MISSING
+    compile_eval: bool = MISSING
+    log_interval_steps: int = MISSING
+    fused_optimizer: bool = MISSING
+    num_text_examples: int = MISSING
+    distributed_backend: str = MISSING
+    sync_batchnorm: bool = MISSING
+    find_unused_parameters: bool = MISSING
+
+
+@dataclass
+class Config:
+    """``conf/config.yaml``: the whole training config (the ``model`` and ``data`` nodes are
+    typed by their option's schema: ``ConformerConfig``, ``FsddDigitsConfig``, ...)."""
+
+    precision: PrecisionConfig = MISSING
+    device: DeviceConfig = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    trainer: TrainerConfig = MISSING
+    seed: int = MISSING  # seeds python/torch RNGs and the data order
+    output_dir: str = MISSING  # the run folder
+
+
+@dataclass
+class BenchmarkConfig:
+    """``benchmark`` node of ``conf/benchmark.yaml``: what the benchmark times."""
+
+    precisions: list[str] = MISSING
+    modes: list[str] = MISSING
+    peer_precisions: list[str] = MISSING
+    batch_size: int = MISSING
+    utterance_seconds: float = MISSING
+    warmup_steps: int = MISSING
+    steps: int = MISSING
+    tf32_baseline: bool = MISSING
+    profile_steps: int = MISSING
+
+
+@dataclass
+class BenchmarkRunConfig(Config):
+    """``conf/benchmark.yaml``: the training config plus what to time."""
+
+    benchmark: BenchmarkConfig = MISSING
+
+
+#: (group, name, schema) of every stored schema; ``group`` None: a primary config's.
+SCHEMAS: tuple[tuple[str | None, str, type], ...] = (
+    (None, "base_config", Config),
+    (None, "base_benchmark_config", BenchmarkRunConfig),
+    ("precision", "base_precision", PrecisionConfig),
+    ("device", "base_device", DeviceConfig),
+    ("model", "base_conformer", ConformerConfig),
+    ("model", "base_xvector", XvectorConfig),
+    ("data", "base_fsdd_digits", FsddDigitsConfig),
+    ("data", "base_fsdd_connected", FsddConnectedConfig),
+    ("data", "base_manifest", ManifestConfig),
+    ("trainer", "base_trainer", TrainerConfig),
+)
+
+
+def register_schemas() -> None:
+    """Store every schema in Hydra's ConfigStore; call before composing (idempotent)."""
+    store = ConfigStore.instance()
+    for group, name, schema in SCHEMAS:
+        store.store(group=group, name=name, node=schema)

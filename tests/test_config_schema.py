@@ -1,0 +1,92 @@
+"""The typed config schema (recipes/schema.py): every option composes against it, and unknown
+keys, bad choices and wrongly typed values are refused while composing, naming the valid ones."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from recipes.config import CONF_DIR, ConfigError, validate_config
+from recipes.schema import Precision
+from tests.recipe_helpers import FAST, compose_config
+
+#: group -> every YAML option of it (conf/<group>/*.yaml).
+GROUP_OPTIONS = {
+    group.name: sorted(p.stem for p in group.glob("*.yaml"))
+    for group in sorted(CONF_DIR.iterdir())
+    if group.is_dir() and group.name != "hydra"
+}
+
+
+@pytest.mark.parametrize(
+    ("group", "option"),
+    [(group, option) for group, options in GROUP_OPTIONS.items() for option in options],
+)
+def test_every_option_composes_against_its_schema(group, option):
+    cfg = compose_config([f"{group}={option}", "output_dir=unused"])
+    validate_config(cfg)
+    resolvable = {k: v for k, v in cfg.items() if k != "data" or v.name != "manifest"}
+    OmegaConf.to_container(OmegaConf.create(resolvable), resolve=True)  # every value has a type
+
+
+def test_added_unknown_key_is_refused_naming_the_valid_keys():
+    cfg = compose_config(["+trainer.epohcs=3", "output_dir=unused"])
+    with pytest.raises(ConfigError, match=r"trainer.epohcs .*Valid trainer keys: .*epochs"):
+        validate_config(cfg)
+
+
+def test_overriding_an_unknown_key_is_refused_while_composing():
+    with pytest.raises(ConfigCompositionException, match="trainer.epohcs"):
+        compose_config(["trainer.epohcs=3"])
+
+
+def test_unknown_precision_is_refused_naming_the_choices():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["precision.name=fp8"])
+    message = f"{err.value} {err.value.__cause__}"
+    assert "fp8" in message and "fp32, fp16, bf16, auto" in message
+
+
+def test_wrongly_typed_value_is_refused_while_composing():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["trainer.epochs=abc"])
+    message = f"{err.value} {err.value.__cause__}"
+    assert "abc" in message and "trainer.epochs" in message
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "auto"])
+def test_eval_precision_defaults_to_the_training_precision(precision):
+    cfg = compose_config([f"precision={precision}"])
+    assert cfg.precision.name == cfg.precision.eval_precision == Precision(precision)
+    assert cfg.precision.allow_tf32 is False
+    assert compose_config(["precision=fp16", "precision.eval_precision=fp32"]).precision == {
+        "name": "fp16",
+        "eval_precision": "fp32",
+        "allow_tf32": False,
+    }
+
+
+def test_every_data_set_gets_the_shared_spec_augment():
+    for data in GROUP_OPTIONS["data"]:
+        cfg = compose_config([f"data={data}"])
+        assert cfg.data.spec_augment == {
+            "enabled": True,
+            "freq_mask": 8,
+            "time_mask": 8,
+            "n_freq_masks": 2,
+            "n_time_masks": 2,
+        }
+
+
+def test_debug_fast_is_the_tests_fast_settings_and_yields_to_the_command_line():
+    cfg = compose_config(FAST)
+    assert cfg.device.name == "cpu" and cfg.device.num_workers == 0
+    assert cfg.trainer.debug and cfg.trainer.debug_batches == 2 and cfg.trainer.noprogressbar
+    assert compose_config([*FAST, "device=cuda"]).device.name == "cuda"
+
+
+def test_gpu_experiment_composes():
+    cfg = compose_config(["experiment=gpu_asr", "output_dir=unused"])
+    validate_config(cfg)
+    assert cfg.model.name == "conformer_ctc_m" and cfg.data.num_train == 50000
