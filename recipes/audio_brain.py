@@ -11,11 +11,13 @@ before the metrics are computed.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from amp_utils import Brain, Stage
+from amp_utils.compile import unwrap_module
 from amp_utils.distributed import all_reduce_counts
 from data.dataset import AudioBatch
 
@@ -56,8 +58,20 @@ class AudioBrain(Brain):
         return len(batch), float(batch.durations.sum())
 
     def features(self, batch: AudioBatch, stage: Stage) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-mel features (fp32 even under autocast), SpecAugment-ed in training."""
-        feats, feat_lens = self.modules.features(batch.wavs, batch.wav_lens)
+        """Log-mel features (fp32 even under autocast), augmented in training.
+
+        In training the waveforms are first speed-perturbed and noised (``wave_augment``,
+        if on; the batch's host lengths follow the speed change, so CTC lengths read from
+        the host stay right), then the features are SpecAugment-ed (``augment``).
+        """
+        wavs, wav_lens = batch.wavs, batch.wav_lens
+        if stage == Stage.TRAIN and "wave_augment" in self.modules:
+            wave_augment = unwrap_module(self.modules.wave_augment)
+            wavs, wav_lens = self.modules.wave_augment(wavs, wav_lens)
+            if batch.host is not None:  # this step's copy of the batch: replace, not edit
+                host_lens = wave_augment.lengths_after(batch.host.wav_lens)
+                batch.host = replace(batch.host, wav_lens=host_lens)
+        feats, feat_lens = self.modules.features(wavs, wav_lens)
         if stage == Stage.TRAIN and "augment" in self.modules:
             feats = self.modules.augment(feats)
         return feats, feat_lens
@@ -113,6 +127,7 @@ class AudioBrain(Brain):
                     "valid_metrics": metrics,
                 },
                 num_to_keep=self.hparams.keep_checkpoints,
+                num_best=self.num_averaged(),
                 **keys,
             )
 
@@ -127,6 +142,29 @@ class AudioBrain(Brain):
     def best_checkpoint_key(cls) -> dict[str, str]:
         """``min_key=``/``max_key=`` that picks the best checkpoint by the recipe's metric."""
         return {"min_key" if cls.metric_mode == "min" else "max_key": cls.metric_key}
+
+    def num_averaged(self) -> int:
+        """How many of the best checkpoints the test averages (``trainer.average_checkpoints``)."""
+        return max(int(getattr(self.hparams, "average_checkpoints", 1) or 1), 1)
+
+    def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
+        """Load the best checkpoint, then, with ``average_checkpoints`` > 1, the average of
+        the modules' weights over the N best (checkpoint averaging, as ESPnet and icefall
+        evaluate: a flatter minimum than any single epoch's)."""
+        super().on_evaluate_start(max_key=max_key, min_key=min_key)
+        self.averaged_checkpoints: list[Any] = []
+        if self.checkpointer is None or self.num_averaged() < 2:
+            return
+        best = self.checkpointer.find_best_checkpoints(
+            self.num_averaged(), min_key=min_key, max_key=max_key
+        )
+        if len(best) < 2:
+            return
+        names = [f"module.{name}" for name in self.modules]
+        self.checkpointer.load_averaged(
+            best, [n for n in names if n in self.checkpointer.recoverables], self.device
+        )
+        self.averaged_checkpoints = best
 
     def evaluate_best(self, test_loader: Any) -> dict[str, float]:
         """Evaluate with the best checkpoint by the recipe's metric; returns test metrics."""
@@ -143,9 +181,12 @@ class AudioBrain(Brain):
             k: meta[k] for k in ("loss", self.metric_key) if k in meta
         }
         best = "lowest" if self.metric_mode == "min" else "highest"
+        averaged = [c.path.name for c in getattr(self, "averaged_checkpoints", [])]
         return {
             "checkpoint": ckpt.path.name,
             "selected_by": f"{best} validation {self.metric_key}",
+            # Weights tested: the average of these checkpoints (empty: the one above).
+            "averaged_checkpoints": averaged,
             "epoch": meta.get("epoch"),
             "optimizer_step": meta.get("optimizer_step"),
             "valid_metrics": valid,

@@ -1,4 +1,4 @@
-"""Waveform augmentation on the device, in training only: speed perturbation and noise.
+"""Training-time augmentation on the device: speed perturbation, noise and SpecAugment.
 
 FSDD has six speakers; a model trained on them alone learns their voices. Two cheap
 perturbations of the waveform, applied to each training batch where it already is (GPU or
@@ -10,6 +10,8 @@ CPU), teach it to ignore who is speaking and in what room:
   ``torchaudio.transforms.SpeedPerturbation`` does (the batch keeps one shape);
 * **additive noise** at a random signal-to-noise ratio per utterance, white or pink
   (1/f) noise synthesised on the fly: no noise corpus to download.
+
+and on the log-mel features, **SpecAugment** (frequency and time masks).
 
 Gain is not perturbed: the log-mel front end normalises every utterance to zero mean and
 unit variance per mel band, so a gain change does not reach the model.
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 import torchaudio
+from omegaconf import DictConfig
 
 
 def pink_noise(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -76,6 +79,7 @@ class WaveAugment(torch.nn.Module):
         self.noise_prob = float(noise_prob)
         self.snr_db = (float(snr_db[0]), float(snr_db[1]))
         self.pink_share = float(pink_share)
+        self._source_rate = self.sample_rate  # of the last batch (speed 1: the same)
 
     @property
     def enabled(self) -> bool:
@@ -98,15 +102,25 @@ class WaveAugment(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Resample the batch by one speed factor drawn from ``speeds``."""
         factor = self.speeds[int(torch.randint(len(self.speeds), ()))]
-        if factor == 1.0:
-            return wavs, wav_lens
         # Played ``factor`` times faster: the audio is read as sampled at sr * factor.
-        source_rate = round(self.sample_rate * factor)
-        out = torchaudio.functional.resample(wavs, source_rate, self.sample_rate)
-        lens = torch.ceil(wav_lens.to(torch.float64) * self.sample_rate / source_rate)
-        lens = lens.to(wav_lens.dtype).clamp(max=out.shape[-1])
+        self._source_rate = round(self.sample_rate * factor)
+        if self._source_rate == self.sample_rate:
+            return wavs, wav_lens
+        out = torchaudio.functional.resample(wavs, self._source_rate, self.sample_rate)
+        lens = self.lengths_after(wav_lens).clamp(max=out.shape[-1])
         valid = torch.arange(out.shape[-1], device=out.device) < lens.to(out.device).unsqueeze(1)
         return out * valid, lens
+
+    def lengths_after(self, wav_lens: torch.Tensor) -> torch.Tensor:
+        """Lengths of waveforms of ``wav_lens`` samples after the last speed change.
+
+        For copies of the lengths kept elsewhere (e.g. on the host, to compute CTC lengths
+        without waiting for the device).
+        """
+        if self._source_rate == self.sample_rate:
+            return wav_lens
+        lens = torch.ceil(wav_lens.to(torch.float64) * self.sample_rate / self._source_rate)
+        return lens.to(wav_lens.dtype)
 
     def add_noise(self, wavs: torch.Tensor, wav_lens: torch.Tensor) -> torch.Tensor:
         """Add white or pink noise at a random SNR to a random share of the utterances."""
@@ -126,3 +140,62 @@ class WaveAugment(torch.nn.Module):
         scale = torch.sqrt(signal_power / (10.0 ** (snr / 10.0) * noise_power.clamp(min=1e-12)))
         scale = scale * noisy
         return (wavs.float() + noise * scale * valid).to(wavs.dtype)
+
+
+class SpecAugment(torch.nn.Module):
+    """Frequency and time masking of ``[B, frames, n_mels]`` features, in training only.
+
+    Masks are drawn independently per utterance. Masked values are set to 0, the mean of
+    normalised features.
+
+    Args:
+        freq_mask: widest frequency mask, in mel bins.
+        time_mask: widest time mask, in frames.
+        n_freq_masks: number of frequency masks.
+        n_time_masks: number of time masks.
+    """
+
+    def __init__(
+        self,
+        freq_mask: int = 8,
+        time_mask: int = 20,
+        n_freq_masks: int = 2,
+        n_time_masks: int = 2,
+    ) -> None:
+        super().__init__()
+        self.n_freq_masks = n_freq_masks
+        self.n_time_masks = n_time_masks
+        self.freq_masking = torchaudio.transforms.FrequencyMasking(freq_mask, iid_masks=True)
+        self.time_masking = torchaudio.transforms.TimeMasking(time_mask, iid_masks=True)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        """Masked copy of ``feats`` in training mode; ``feats`` itself in eval mode."""
+        if not self.training:
+            return feats
+        spec = feats.transpose(1, 2).unsqueeze(1)  # [B, 1, n_mels, frames]
+        for _ in range(self.n_freq_masks):
+            spec = self.freq_masking(spec)
+        for _ in range(self.n_time_masks):
+            spec = self.time_masking(spec)
+        return spec.squeeze(1).transpose(1, 2)
+
+
+def build_augment(data_cfg: DictConfig) -> SpecAugment | None:
+    """SpecAugment as configured in ``data.spec_augment``, or None when it is off."""
+    aug = data_cfg.spec_augment
+    if not aug.enabled:
+        return None
+    return SpecAugment(aug.freq_mask, aug.time_mask, aug.n_freq_masks, aug.n_time_masks)
+
+
+def build_wave_augment(data_cfg: DictConfig) -> WaveAugment | None:
+    """Waveform augmentation as configured in ``data.wave_augment``, or None when it is off."""
+    aug = data_cfg.wave_augment
+    module = WaveAugment(
+        data_cfg.sample_rate,
+        speeds=list(aug.speeds),
+        noise_prob=aug.noise_prob,
+        snr_db=list(aug.snr_db),
+        pink_share=aug.pink_share,
+    )
+    return module if module.enabled else None

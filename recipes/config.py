@@ -21,11 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from amp_utils.distributed import BACKENDS
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name
 from recipes.schema import schema_help
+from recipes.tasks import UnknownTaskError, task_for
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("precision", "device", "model", "data", "trainer")  # config groups with a node
-TASKS = ("asr", "speaker")
-MODELS = {"conformer_ctc": "asr", "conformer_ctc_m": "asr", "xvector": "speaker"}
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -182,13 +181,21 @@ def validate_config(
             f"device.name={cfg.device.name!r} is not valid; choose one of: "
             f"{', '.join(DEVICE_CHOICES)}."
         ) from err
-    _choice(cfg, "model.name", MODELS)
-    _choice(cfg, "model.task", TASKS)
-    if MODELS[cfg.model.name] != cfg.model.task:
-        raise ConfigError(
-            f"model.task={cfg.model.task!r} does not fit model.name={cfg.model.name!r} "
-            f"(which does {MODELS[cfg.model.name]!r})."
-        )
+    try:
+        task = task_for(cfg.model)
+    except UnknownTaskError as err:
+        raise ConfigError(str(err)) from None
+    if OmegaConf.select(cfg, "data.test_speakers"):
+        if cfg.data.name != "fsdd_digits":
+            raise ConfigError(
+                f"data.test_speakers works with data=fsdd_digits only (got data={cfg.data.name}); "
+                "for other data, hold speakers out in your own manifests (data=manifest)."
+            )
+        if task.closed_set_speakers:
+            raise ConfigError(
+                f"data.test_speakers cannot be used with model={cfg.model.name}: speaker ID is "
+                "closed-set (it can only name speakers it was trained on). Use an ASR model."
+            )
     for key in (
         "trainer.epochs",
         "trainer.debug_batches",
@@ -196,6 +203,7 @@ def validate_config(
         "trainer.grad_accumulation_factor",
         "trainer.log_interval_steps",
         "trainer.keep_checkpoints",
+        "trainer.average_checkpoints",
         "data.sample_rate",
         "data.num_buckets",
     ):

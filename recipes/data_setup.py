@@ -66,6 +66,7 @@ def data_record(
     return {
         "name": str(data_cfg.name),
         "root": str(Path(root).resolve()) if root is not None else None,
+        "test_speakers": sorted(OmegaConf.select(data_cfg, "test_speakers") or []),
         "manifests": {split: str(Path(path).resolve()) for split, path in manifests.items()},
         "splits": {
             split: {
@@ -80,7 +81,12 @@ def data_record(
 def prepare_manifests(data_cfg: DictConfig) -> dict[str, Path]:
     """Prepare (or find) the train/valid/test manifests (plans, for connected digits)."""
     if data_cfg.name == "fsdd_digits":
-        return prepare_fsdd_digits(data_cfg.root, data_cfg.prepared_dir, download=data_cfg.download)
+        return prepare_fsdd_digits(
+            data_cfg.root,
+            data_cfg.prepared_dir,
+            download=data_cfg.download,
+            test_speakers=list(data_cfg.get("test_speakers") or []),
+        )
     if data_cfg.name == "fsdd_connected":
         return prepare_connected_digits(
             data_cfg.root,

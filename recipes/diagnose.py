@@ -11,13 +11,12 @@ folder and log2|x| histograms of activations and gradients into ``tb/``.
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
@@ -33,10 +32,12 @@ from amp_utils.tensorboard import TensorBoardLogger
 from recipes.config import ConfigError, register_resolvers, validate_config
 from recipes.data_setup import build_data
 from recipes.experiment import USER_ERRORS, build_brain, run_options, seed_everything
+from recipes.schema import register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 logger = logging.getLogger(__name__)
 register_resolvers()
+register_schemas()
 
 
 def training_config(cfg: DictConfig) -> DictConfig:
@@ -47,10 +48,8 @@ def training_config(cfg: DictConfig) -> DictConfig:
     """
     if cfg.diagnose.batches < 1:
         raise ConfigError(f"diagnose.batches={cfg.diagnose.batches} must be 1 or more.")
-    train_cfg = copy.deepcopy(cfg)
-    with open_dict(train_cfg):
-        train_cfg.pop("diagnose", None)
-        train_cfg.precision.pop("fp32_modules", None)  # applied by diagnose() itself
+    train_cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "diagnose"])
+    train_cfg.precision.fp32_modules = []  # applied by diagnose() itself, names reported
     validate_config(train_cfg, primary="config")
     return train_cfg
 

@@ -138,6 +138,7 @@ def build_brain(
             "tokenizer": data.tokenizer,
             "speakers": data.speakers,
             "keep_checkpoints": cfg.trainer.keep_checkpoints,
+            "average_checkpoints": cfg.trainer.average_checkpoints,
             "num_text_examples": cfg.trainer.num_text_examples,
             "lr_scheduler": lr_scheduler,
             "tensorboard": tensorboard,

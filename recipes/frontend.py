@@ -1,10 +1,11 @@
-"""The device-side front end of every model: log-mel features and SpecAugment.
+"""The device-side front end of every model: log-mel features.
 
-Both are ``nn.Module``s that run on the device, inside the training step and under its
-autocast, so they live with the models rather than with the data loading (``data/``
-yields waveforms). Features are computed in float32 even under autocast
-(``fwd_default_precision``): the power spectrum and its log overflow or lose all precision
-in fp16, and they are cheap next to the model.
+``LogMelFeatures`` is an ``nn.Module`` that runs on the device, inside the training step and
+under its autocast, so it lives with the models rather than with the data loading
+(``data/`` yields waveforms); training-time augmentation is in ``recipes/augment.py``.
+Features are computed in float32 even under autocast (``fwd_default_precision``): the
+power spectrum and its log overflow or lose all precision in fp16, and they are cheap next
+to the model.
 """
 
 from __future__ import annotations
@@ -79,44 +80,6 @@ class LogMelFeatures(torch.nn.Module):
         return feats * mask, frame_lens.to(torch.int64)
 
 
-class SpecAugment(torch.nn.Module):
-    """Frequency and time masking of ``[B, frames, n_mels]`` features, in training only.
-
-    Masks are drawn independently per utterance. Masked values are set to 0, the mean of
-    normalised features.
-
-    Args:
-        freq_mask: widest frequency mask, in mel bins.
-        time_mask: widest time mask, in frames.
-        n_freq_masks: number of frequency masks.
-        n_time_masks: number of time masks.
-    """
-
-    def __init__(
-        self,
-        freq_mask: int = 8,
-        time_mask: int = 20,
-        n_freq_masks: int = 2,
-        n_time_masks: int = 2,
-    ) -> None:
-        super().__init__()
-        self.n_freq_masks = n_freq_masks
-        self.n_time_masks = n_time_masks
-        self.freq_masking = torchaudio.transforms.FrequencyMasking(freq_mask, iid_masks=True)
-        self.time_masking = torchaudio.transforms.TimeMasking(time_mask, iid_masks=True)
-
-    def forward(self, feats: torch.Tensor) -> torch.Tensor:
-        """Masked copy of ``feats`` in training mode; ``feats`` itself in eval mode."""
-        if not self.training:
-            return feats
-        spec = feats.transpose(1, 2).unsqueeze(1)  # [B, 1, n_mels, frames]
-        for _ in range(self.n_freq_masks):
-            spec = self.freq_masking(spec)
-        for _ in range(self.n_time_masks):
-            spec = self.time_masking(spec)
-        return spec.squeeze(1).transpose(1, 2)
-
-
 def build_features(data_cfg: DictConfig) -> LogMelFeatures:
     """Log-mel front end of the configured data set (``data.sample_rate``, ``data.features``)."""
     f = data_cfg.features
@@ -127,11 +90,3 @@ def build_features(data_cfg: DictConfig) -> LogMelFeatures:
         hop_length=f.hop_length,
         n_mels=f.n_mels,
     )
-
-
-def build_augment(data_cfg: DictConfig) -> SpecAugment | None:
-    """SpecAugment as configured in ``data.spec_augment``, or None when it is off."""
-    aug = data_cfg.spec_augment
-    if not aug.enabled:
-        return None
-    return SpecAugment(aug.freq_mask, aug.time_mask, aug.n_freq_masks, aug.n_time_masks)

@@ -76,7 +76,8 @@ class TrainedModel:
 
 
 def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32") -> TrainedModel:
-    """Rebuild the model of a run folder and load its best checkpoint."""
+    """Rebuild the model of a run folder and load its best checkpoint (or, if the run
+    averaged checkpoints for its test, the same average)."""
     run_dir = find_run_dir(path)
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     labels = json.loads((run_dir / LABELS_FILE).read_text())
@@ -87,6 +88,10 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
     modules = build_modules(cfg, speakers, augment=False)
     features, model = modules["features"], modules["model"]
     ckpt = Checkpointer(run_dir / "checkpoints", {"module.model": model}, allow_partial_load=True)
-    if ckpt.recover_if_possible(**task_for(cfg.model).best_checkpoint_key()) is None:
+    key = task_for(cfg.model).best_checkpoint_key()
+    if ckpt.recover_if_possible(**key) is None:
         raise RunNotFoundError(f"No readable checkpoint in {run_dir / 'checkpoints'}.")
+    num_averaged = int(OmegaConf.select(cfg, "trainer.average_checkpoints", default=1) or 1)
+    if num_averaged > 1:  # the weights the run was tested with
+        ckpt.load_averaged(ckpt.find_best_checkpoints(num_averaged, **key), ["module.model"])
     return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), speakers, dev, amp)

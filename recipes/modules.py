@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from recipes.frontend import build_augment, build_features
+from amp_utils.module_precision import apply_fp32_modules
+from recipes.augment import build_augment, build_wave_augment
+from recipes.frontend import build_features
 from recipes.tasks import task_for
 
 
@@ -21,15 +23,22 @@ def build_model(cfg: DictConfig, speakers: tuple[str, ...]) -> torch.nn.Module:
 def build_modules(
     cfg: DictConfig, speakers: tuple[str, ...], augment: bool = True
 ) -> dict[str, torch.nn.Module]:
-    """Log-mel ``features``, the ``model`` and, if on and ``augment``, SpecAugment ``augment``.
+    """Log-mel ``features``, the ``model`` and, if on and ``augment``, the augmentations.
 
-    Inference passes ``augment=False``: SpecAugment only acts in training.
+    ``wave_augment`` (speed, noise) acts on the waveforms before the features,
+    ``augment`` (SpecAugment) on the features; both only in training. Inference passes
+    ``augment=False``. ``precision.fp32_modules`` pins the named modules to fp32.
     """
     modules: dict[str, torch.nn.Module] = {
         "features": build_features(cfg.data),
         "model": build_model(cfg, speakers),
     }
-    spec_augment = build_augment(cfg.data) if augment else None
-    if spec_augment is not None:
-        modules["augment"] = spec_augment
+    if augment:
+        for name, module in (
+            ("wave_augment", build_wave_augment(cfg.data)),
+            ("augment", build_augment(cfg.data)),
+        ):
+            if module is not None:
+                modules[name] = module
+    apply_fp32_modules(modules, list(cfg.precision.get("fp32_modules") or []))
     return modules

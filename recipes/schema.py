@@ -46,6 +46,13 @@ class PrecisionConfig:
         default=False,
         metadata={"help": "let fp32 matmuls use TF32 on Ampere+ GPUs (false: true fp32)"},
     )
+    fp32_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "module-name patterns run in fp32 under autocast, e.g. "
+            "[model.blocks.*.attention] (recipes/diagnose.py says which)"
+        },
+    )
 
 
 def schema_help(group: str, key: str) -> str:
@@ -125,6 +132,18 @@ class SpecAugmentConfig:
 
 
 @dataclass
+class WaveAugmentConfig:
+    """Speed perturbation and noise on the training waveforms (``recipes/augment.py``)."""
+
+    speeds: list[float] = field(
+        default_factory=lambda: [1.0]
+    )  # speed factors, one per batch ([1.0]: off)
+    noise_prob: float = 0.0  # share of utterances that get white/pink noise (0: off)
+    snr_db: list[float] = field(default_factory=lambda: [10.0, 30.0])  # [low, high] SNR range in dB
+    pink_share: float = 0.5  # share of the noisy utterances with pink (1/f) instead of white noise
+
+
+@dataclass
 class DataConfig:
     """What every data option has: audio, features and batching."""
 
@@ -136,6 +155,7 @@ class DataConfig:
     skip_bad_files: bool = MISSING  # skip (and count) unreadable audio instead of failing
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
+    wave_augment: WaveAugmentConfig = field(default_factory=WaveAugmentConfig)
 
 
 @dataclass
@@ -145,6 +165,13 @@ class FsddDigitsConfig(DataConfig):
     root: str = MISSING  # local FSDD copy
     download: bool = MISSING  # download FSDD when root has no recordings
     prepared_dir: str = MISSING  # where manifests (and generated audio) go
+    test_speakers: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "speakers held out: tested on, never trained on (e.g. [jackson]; "
+            "[]: the official split)"
+        },
+    )
 
 
 @dataclass
@@ -184,6 +211,10 @@ class TrainerConfig:
     ckpt_interval_minutes: float = MISSING
     ckpt_interval_steps: int = MISSING
     keep_checkpoints: int = MISSING
+    average_checkpoints: int = field(
+        default=1,
+        metadata={"help": "test the average of the N best checkpoints (1: the best one)"},
+    )
     debug: bool = MISSING
     debug_batches: int = MISSING
     debug_epochs: int = MISSING
@@ -237,10 +268,25 @@ class BenchmarkRunConfig(Config):
     benchmark: BenchmarkConfig = MISSING
 
 
+@dataclass
+class DiagnoseConfig:
+    """``diagnose`` node of ``conf/diagnose.yaml``: how much the numerics report measures."""
+
+    batches: int = MISSING  # training batches measured
+
+
+@dataclass
+class DiagnoseRunConfig(Config):
+    """``conf/diagnose.yaml``: the training config plus what the numerics report measures."""
+
+    diagnose: DiagnoseConfig = MISSING
+
+
 #: (group, name, schema) of every stored schema; ``group`` None: a primary config's.
 SCHEMAS: tuple[tuple[str | None, str, type], ...] = (
     (None, "base_config", Config),
     (None, "base_benchmark_config", BenchmarkRunConfig),
+    (None, "base_diagnose_config", DiagnoseRunConfig),
     ("precision", "base_precision", PrecisionConfig),
     ("device", "base_device", DeviceConfig),
     ("model", "base_conformer", ConformerConfig),

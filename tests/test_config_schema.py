@@ -64,6 +64,7 @@ def test_eval_precision_defaults_to_the_training_precision(precision):
         "name": "fp16",
         "eval_precision": "fp32",
         "allow_tf32": False,
+        "fp32_modules": [],
     }
 
 

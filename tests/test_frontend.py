@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.frontend import LogMelFeatures, SpecAugment
+from recipes.augment import SpecAugment
+from recipes.frontend import LogMelFeatures
 
 
 @pytest.fixture

@@ -237,9 +237,11 @@ def diagnose_recipe(tmp_path, fsdd_root, precision: str, *extra: str):
 
     from recipes.config import register_resolvers
     from recipes.diagnose import diagnose
+    from recipes.schema import register_schemas
     from tests.recipe_helpers import CONF_DIR, FAST
 
     register_resolvers()
+    register_schemas()
     out = tmp_path / f"diagnose_{precision}"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
@@ -349,6 +351,7 @@ def test_readme_diagnose_commands_compose_and_validate():
 
     from recipes.config import register_resolvers
     from recipes.diagnose import training_config
+    from recipes.schema import register_schemas
     from tests.recipe_helpers import CONF_DIR
     from tests.test_readme import readme_commands
 
@@ -360,6 +363,7 @@ def test_readme_diagnose_commands_compose_and_validate():
     ]
     assert len(commands) >= 3
     register_resolvers()
+    register_schemas()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for args in commands:
             overrides = [arg.strip("'") for arg in args]

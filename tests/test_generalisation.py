@@ -1,0 +1,136 @@
+"""Wiring of what makes models carry over to new voices (issue 13) and of per-module precision.
+
+Held-out speakers, waveform augmentation and checkpoint averaging, each through the real
+config and a real (debug-sized) run on FSDD audio.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from amp_utils import Checkpointer, Stage
+from recipes.augment import WaveAugment
+from recipes.config import ConfigError, validate_config
+from recipes.data_setup import build_data
+from recipes.experiment import build_brain, train
+from recipes.inference import load_trained
+from recipes.modules import build_modules
+from tests.recipe_helpers import FAST, compose_config
+
+
+def fast_cfg(tmp_path: Path, fsdd_root: Path, *extra: str):
+    return compose_config(
+        [
+            *FAST,
+            f"data.root={fsdd_root}",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
+            f"output_dir={tmp_path / 'run'}",
+            *extra,
+        ]
+    )
+
+
+def test_held_out_speaker_is_the_whole_test_set_and_never_trained_on(tmp_path, fsdd_root):
+    cfg = fast_cfg(tmp_path, fsdd_root, "data.test_speakers=[jackson]")
+    validate_config(cfg)
+    data = build_data(cfg, torch.device("cpu"))
+    assert data.record["test_speakers"] == ["jackson"]
+    assert data.record["splits"]["test"]["utterances"] == 500
+    train_ids = [u.id for u in data.train.dataset.utterances]
+    assert train_ids and not any("_jackson_" in i for i in train_ids)
+    assert all("_jackson_" in u.id for u in data.test.dataset.utterances)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model=xvector", "data.test_speakers=[jackson]"], "closed-set"),
+        (["data=fsdd_connected", "data.test_speakers=[jackson]"], "fsdd_digits only"),
+    ],
+)
+def test_held_out_speakers_refused_where_they_cannot_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose_config([*FAST, *overrides]))
+
+
+def test_wave_augment_is_built_from_the_config_and_keeps_ctc_lengths_right(tmp_path, fsdd_root):
+    cfg = fast_cfg(
+        tmp_path,
+        fsdd_root,
+        "data.wave_augment.speeds=[0.9]",
+        "data.wave_augment.noise_prob=1.0",
+    )
+    assert "wave_augment" not in build_modules(fast_cfg(tmp_path, fsdd_root), ("s",))
+    data = build_data(cfg, torch.device("cpu"))
+    brain = build_brain(cfg, data, None, None)
+    assert isinstance(brain.modules.wave_augment, WaveAugment)
+    batch = next(iter(data.train)).to(brain.device)
+    feats, feat_lens = brain.features(batch, Stage.TRAIN)
+    # The host copy's lengths follow the speed change: CTC lengths from the host agree
+    # with the features the model really gets.
+    host_frames = brain.modules.features.frame_lengths(batch.host.wav_lens)
+    assert torch.equal(host_frames, feat_lens.cpu())
+    expected = torch.ceil(batch.wav_lens.double() / 0.9).long()
+    assert torch.equal(batch.host.wav_lens, expected)
+    valid_feats, valid_lens = brain.features(next(iter(data.valid)), Stage.VALID)
+    assert valid_lens.max() <= valid_feats.shape[1]  # evaluation: no perturbation
+
+
+def test_fp32_modules_from_the_config_run_in_fp32_under_bf16(tmp_path, fsdd_root):
+    cfg = fast_cfg(
+        tmp_path, fsdd_root, "precision=bf16", "precision.fp32_modules=[model.blocks.*.attention]"
+    )
+    modules = build_modules(cfg, ("s",))
+    model = modules["model"]
+    dtypes: dict[str, torch.dtype] = {}
+
+    def record(name: str):
+        def hook(module, inputs, output) -> None:
+            dtypes[name] = (output[0] if isinstance(output, tuple) else output).dtype
+
+        return hook
+
+    for name, module in model.named_modules():
+        if name.endswith(".attention") or name.endswith(".ffn1"):
+            module.register_forward_hook(record(name))
+    feats = torch.randn(2, 50, cfg.data.features.n_mels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(feats, torch.tensor([50, 40]))
+    pinned = {n: d for n, d in dtypes.items() if n.endswith("attention")}
+    assert pinned and set(pinned.values()) == {torch.float32}
+    others = {n: d for n, d in dtypes.items() if not n.endswith("attention")}
+    assert others and set(others.values()) == {torch.bfloat16}
+
+
+def test_checkpoint_averaging_tests_and_transcribes_with_the_average(tmp_path, fsdd_root):
+    cfg = fast_cfg(
+        tmp_path,
+        fsdd_root,
+        "model=xvector",
+        "trainer.debug_epochs=3",
+        "trainer.average_checkpoints=2",
+        "trainer.keep_checkpoints=1",
+    )
+    results = train(cfg)
+    tested = results["tested_checkpoint"]
+    assert len(tested["averaged_checkpoints"]) == 2
+    assert tested["checkpoint"] == tested["averaged_checkpoints"][0]  # the best first
+    ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
+    names = {c.path.name for c in ckpts}
+    assert set(tested["averaged_checkpoints"]) <= names  # both kept although keep=1
+    hydra_dir = tmp_path / "run" / ".hydra"  # what Hydra writes for a CLI run
+    hydra_dir.mkdir()
+    OmegaConf.save(cfg, hydra_dir / "config.yaml")
+    trained = load_trained(tmp_path / "run", device="cpu")
+    state = [
+        torch.load(tmp_path / "run" / "checkpoints" / n / "state.pt", weights_only=True)
+        for n in tested["averaged_checkpoints"]
+    ]
+    weights = [s["state"]["module.model"] for s in state]
+    key = next(k for k in weights[0] if k.endswith("weight") and weights[0][k].dim() > 1)
+    expected = (weights[0][key] + weights[1][key]) / 2
+    assert torch.allclose(trained.model.state_dict()[key], expected, atol=1e-6)
