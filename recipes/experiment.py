@@ -197,12 +197,58 @@ def _choices() -> dict[str, str] | None:
         return None
 
 
+def _sweeper_direction() -> str | None:
+    """The optimisation direction of the Hydra sweeper running this job (Optuna), if any."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        direction = HydraConfig.get().sweeper.get("direction")
+    except ValueError:  # composed outside @hydra.main
+        return None
+    if isinstance(direction, list | tuple) or OmegaConf.is_list(direction):
+        return str(direction[0]) if len(direction) == 1 else None
+    return str(direction) if direction is not None else None
+
+
+def check_sweep_direction(cfg: DictConfig, direction: str | None) -> None:
+    """A sweeper that optimises ``train.py``'s return value must go the metric's way.
+
+    ``train.py`` returns the tested checkpoint's validation metric (CER: lower is better,
+    accuracy: higher); maximising CER would tune the recipe to be worse.
+    """
+    if direction is None:
+        return
+    metric, wanted = task_for(cfg.model).selection_metric
+    if direction.lower() != wanted:
+        raise ConfigError(
+            f"hydra.sweeper.direction={direction} but model={cfg.model.name} is tuned on its "
+            f"validation {metric}, which it must {wanted}. Fix: hydra.sweeper.direction={wanted} "
+            "(or pick the hparams_search preset of this task)."
+        )
+
+
+def sweep_objective(cfg: DictConfig, results: dict[str, Any]) -> float:
+    """What ``train.py`` returns to a sweeper: the validation value of the task's selection
+    metric (CER, accuracy) of the tested checkpoint. Never a test figure: tuning on the
+    test set would make the test figures meaningless."""
+    metric, _ = task_for(cfg.model).selection_metric
+    valid = results.get("valid_metrics") or {}
+    if metric not in valid:
+        raise ConfigError(
+            f"The run recorded no validation {metric} (no epoch was validated); "
+            "a sweep needs at least one epoch."
+        )
+    return float(valid[metric])
+
+
 def preflight(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:
-    """Everything that can refuse a command before any work: keys, values, device, precision.
+    """Everything that can refuse a command before any work: keys, values, device, precision,
+    and the direction of a sweeper that tunes the run.
 
     ``choices``: the chosen option of each config group (for the key check).
     """
     validate_config(cfg, choices, primary="config")
+    check_sweep_direction(cfg, _sweeper_direction())
     opts = run_options(cfg)
     device = resolve_device(opts.device)
     for name in (opts.precision, opts.eval_precision):

@@ -49,6 +49,13 @@ class Task:
     needs_tokenizer: bool
     closed_set_speakers: bool
 
+    @property
+    def selection_metric(self) -> tuple[str, str]:
+        """``(metric, direction)`` that picks the best checkpoint and that sweepers tune:
+        e.g. ``("CER", "minimize")``, ``("accuracy", "maximize")``."""
+        mode = self.brain_class.metric_mode
+        return self.brain_class.metric_key, "minimize" if mode == "min" else "maximize"
+
     def best_checkpoint_key(self) -> dict[str, str]:
         """``min_key=``/``max_key=`` that picks the best checkpoint by the task's metric."""
         return self.brain_class.best_checkpoint_key()

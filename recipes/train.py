@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from recipes.config import register_resolvers
-from recipes.experiment import USER_ERRORS, train
+from recipes.experiment import USER_ERRORS, sweep_objective, train
 from recipes.run_folder import log_to_files
 from recipes.schema import register_schemas
 
@@ -31,13 +31,13 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra entry point; returns the test loss (for sweepers that optimise it)."""
+    """Hydra entry point; returns the tested checkpoint's validation CER (ASR) or accuracy
+    (speaker ID), the value a sweeper such as Optuna optimises (``hparams_search=...``)."""
     try:
-        results = train(cfg)
+        return sweep_objective(cfg, train(cfg))
     except USER_ERRORS as err:  # bad input: one line, no traceback, printed once
         log_to_files(logging.ERROR, f"{type(err).__name__}: {err}")  # the run's train.log
         sys.exit(f"error: {err}")
-    return results["test_metrics"]["loss"]
 
 
 if __name__ == "__main__":

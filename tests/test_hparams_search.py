@@ -1,0 +1,64 @@
+"""Hyperparameter search: train.py returns the validation metric, in the right direction."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from recipes.config import ConfigError
+from recipes.experiment import check_sweep_direction, sweep_objective
+from tests.recipe_helpers import FAST, compose_config, run_cli
+
+
+@pytest.mark.parametrize(
+    ("model", "metric", "good", "bad"),
+    [
+        ("conformer_ctc", "CER", "minimize", "maximize"),
+        ("xvector", "accuracy", "maximize", "minimize"),
+    ],
+)
+def test_objective_is_the_validation_metric_never_the_test_one(model, metric, good, bad):
+    cfg = compose_config([*FAST, f"model={model}"])
+    results = {
+        "valid_metrics": {"loss": 0.5, metric: 12.5},
+        "test_metrics": {"loss": 0.1, metric: 99.0},
+    }
+    assert sweep_objective(cfg, results) == 12.5
+    check_sweep_direction(cfg, good)
+    check_sweep_direction(cfg, None)  # no sweeper: nothing to check
+    with pytest.raises(ConfigError, match=f"hydra.sweeper.direction={good}"):
+        check_sweep_direction(cfg, bad)
+    with pytest.raises(ConfigError, match="no validation"):
+        sweep_objective(cfg, {"valid_metrics": {}, "test_metrics": {metric: 1.0}})
+
+
+def test_two_trial_optuna_sweep_tunes_on_validation_cer(tmp_path, fsdd_root):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        [
+            "-m",
+            "hparams_search=asr_optuna",
+            "hydra.sweeper.n_trials=2",
+            *FAST,
+            "trainer.debug_epochs=1",
+            f"data.root={fsdd_root}",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        fsdd_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(sweep_dir.glob("*/results.json"))
+    assert len(runs) == 2
+    valid_cer = [json.loads(r.read_text())["valid_metrics"]["CER"] for r in runs]
+    lrs = {
+        o for r in runs for o in json.loads(r.read_text())["overrides"] if o.startswith("model.lr")
+    }
+    assert len(lrs) == 2  # two different trials
+    best = float(re.search(r"Best value: ([0-9.eE+-]+)", result.stdout + result.stderr).group(1))
+    assert best == pytest.approx(min(valid_cer))  # Optuna saw the validation CER, minimised
+    assert (sweep_dir / "summary.md").is_file()  # the comparison table still appears
