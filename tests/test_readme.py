@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 
 from tests.conftest import REPO_ROOT
 
@@ -32,9 +33,22 @@ def readme_train_overrides() -> list[list[str]]:
             command = command.split("#")[0]
             if "recipes/train.py" not in command:
                 continue
-            args = command.split("recipes/train.py", 1)[1].split()
-            found.append([arg.split(",")[0] for arg in args if "=" in arg])
+            args = shlex.split(command.split("recipes/train.py", 1)[1])
+            found.append([first_sweep_value(arg) for arg in args if "=" in arg])
     return found
+
+
+def first_sweep_value(override: str) -> str:
+    """``key=a,b`` -> ``key=a``; commas inside brackets (``key=[0.9,1.1]``) are kept."""
+    depth = 0
+    for i, char in enumerate(override):
+        if char in "[(":
+            depth += 1
+        elif char in "])":
+            depth -= 1
+        elif char == "," and depth == 0:
+            return override[:i]
+    return override
 
 
 def test_every_readme_train_command_composes_and_validates():
