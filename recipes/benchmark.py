@@ -20,8 +20,9 @@ from amp_utils.precision import resolve_device
 from recipes.benchmarking import run_benchmark, summarize
 from recipes.config import register_resolvers, validate_config
 from recipes.data_setup import build_data
-from recipes.experiment import build_brain, device_name, run_options, seed_everything
+from recipes.experiment import build_brain, device_name, seed_everything
 from recipes.modules import build_modules
+from recipes.preflight import run_options
 from recipes.schema import register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")

@@ -21,7 +21,6 @@ more steps is written per precision and mode, to show why a target is missed.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import islice
@@ -37,11 +36,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from amp_utils import Stage
 from amp_utils.atomic import atomic_write_text
 from amp_utils.autocast import PRECISIONS
-from amp_utils.memory import reset_peak_memory
 from amp_utils.precision import configure_tf32
 from data.dataset import AudioBatch
 from recipes.audio_brain import AudioBrain
-from recipes.peers import OptimizerSettings, run_peer, step_stats
+from recipes.peers import OptimizerSettings, run_peer
+from recipes.step_timing import time_steps
 
 #: Dense peak rates (TFLOP/s) from the vendors' datasheets, by GPU name and precision
 #: ("tf32": fp32 with TF32 matmuls). The first matching name wins (PCIe before SXM).
@@ -114,52 +113,6 @@ def brain_step_fn(brain: AudioBrain) -> Callable[[AudioBatch], None]:
         brain.train_step(batch)
 
     return step
-
-
-def time_steps(
-    step: Callable[[AudioBatch], None],
-    batches: Iterator[AudioBatch],
-    warmup: int,
-    steps: int,
-    device: torch.device,
-) -> dict[str, Any]:
-    """Run ``warmup`` + ``steps`` steps; per-step seconds and totals of the timed ones.
-
-    ``shapes`` lists the timed batches' waveform shapes (for counting FLOPs afterwards).
-    """
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        step(next(batches))
-    if cuda:
-        torch.cuda.synchronize(device)
-    reset_peak_memory(device)
-    marks: list[Any] = []
-    shapes: list[tuple[int, ...]] = []
-    utterances, audio_s = 0, 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
-        batch = next(batches)
-        utterances += len(batch)
-        shapes.append(tuple(batch.wavs.shape))
-        audio_s += float(batch.durations.sum()) if batch.durations.device.type == "cpu" else 0.0
-        if cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            marks.append(event)
-        else:
-            marks.append(time.perf_counter())
-        step(batch)
-    if cuda:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        torch.cuda.synchronize(device)
-        marks.append(end)
-        per_step = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
-    else:
-        marks.append(time.perf_counter())
-        per_step = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    total = time.perf_counter() - start
-    return {**step_stats(per_step, total, utterances, audio_s, device), "shapes": shapes}
 
 
 def forward_loss_fn(brain: AudioBrain) -> Callable[[torch.nn.ModuleDict, AudioBatch], Any]:

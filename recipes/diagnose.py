@@ -31,7 +31,8 @@ from amp_utils.precision import resolve_device
 from amp_utils.tensorboard import TensorBoardLogger
 from recipes.config import ConfigError, register_resolvers, validate_config
 from recipes.data_setup import build_data
-from recipes.experiment import USER_ERRORS, build_brain, run_options, seed_everything
+from recipes.experiment import build_brain, seed_everything
+from recipes.preflight import USER_ERRORS, run_options
 from recipes.schema import register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")

@@ -12,7 +12,6 @@ every rank builds the same objects, and only rank 0 logs and writes the run's fi
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import platform
@@ -23,17 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from amp_utils import (
-    AMPConfig,
     Checkpointer,
-    CheckpointError,
-    DeviceNotAvailableError,
-    DistributedConfigError,
     EpochCounter,
-    NonFiniteLossError,
-    PrecisionNotSupportedError,
     RunOptions,
     resolve_device,
 )
@@ -47,47 +40,20 @@ from amp_utils.distributed import (
     init_distributed,
     run_on_main,
 )
-from amp_utils.precision import AUTO, check_precision_supported, resolve_precision
+from amp_utils.precision import AUTO
 from amp_utils.run_clock import RunClock
 from amp_utils.run_env import write_env_file
 from amp_utils.run_results import RESULTS_FILE, RunResults, Throughput
 from amp_utils.tensorboard import TensorBoardLogger
-from data.errors import DataError
 from recipes.audio_brain import AudioBrain
-from recipes.config import ConfigError, validate_config
+from recipes.config import ConfigError
 from recipes.data_setup import DataBundle, build_data
 from recipes.modules import build_modules
+from recipes.preflight import preflight, run_options
 from recipes.run_folder import LABELS_FILE, RunFolder, finished_message, finished_results
-from recipes.tasks import UnknownTaskError, task_for
+from recipes.tasks import task_for
 
 logger = logging.getLogger(__name__)
-
-RUN_OPTION_KEYS = frozenset(f.name for f in dataclasses.fields(RunOptions))  # trainer keys
-USER_ERRORS = (  # bad input: reported as one line, without a traceback
-    ConfigError,
-    DataError,
-    CheckpointError,
-    NonFiniteLossError,
-    PrecisionNotSupportedError,
-    DeviceNotAvailableError,
-    DistributedConfigError,
-    UnknownTaskError,
-)
-
-
-def run_options(cfg: DictConfig) -> RunOptions:
-    """Brain run options from the ``trainer``, ``precision`` and ``device`` nodes."""
-    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    return RunOptions.from_dict(
-        {
-            **{key: value for key, value in trainer.items() if key in RUN_OPTION_KEYS},
-            "device": cfg.device.name,
-            "precision": cfg.precision.name,
-            "eval_precision": cfg.precision.eval_precision,
-            "allow_tf32": cfg.precision.allow_tf32,
-            "seed": cfg.seed,
-        }
-    )
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
@@ -197,36 +163,6 @@ def _choices() -> dict[str, str] | None:
         return None
 
 
-def _sweeper_direction() -> str | None:
-    """The optimisation direction of the Hydra sweeper running this job (Optuna), if any."""
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        direction = HydraConfig.get().sweeper.get("direction")
-    except ValueError:  # composed outside @hydra.main
-        return None
-    if isinstance(direction, list | tuple) or OmegaConf.is_list(direction):
-        return str(direction[0]) if len(direction) == 1 else None
-    return str(direction) if direction is not None else None
-
-
-def check_sweep_direction(cfg: DictConfig, direction: str | None) -> None:
-    """A sweeper that optimises ``train.py``'s return value must go the metric's way.
-
-    ``train.py`` returns the tested checkpoint's validation metric (CER: lower is better,
-    accuracy: higher); maximising CER would tune the recipe to be worse.
-    """
-    if direction is None:
-        return
-    metric, wanted = task_for(cfg.model).selection_metric
-    if direction.lower() != wanted:
-        raise ConfigError(
-            f"hydra.sweeper.direction={direction} but model={cfg.model.name} is tuned on its "
-            f"validation {metric}, which it must {wanted}. Fix: hydra.sweeper.direction={wanted} "
-            "(or pick the hparams_search preset of this task)."
-        )
-
-
 def sweep_objective(cfg: DictConfig, results: dict[str, Any]) -> float:
     """What ``train.py`` returns to a sweeper: the validation value of the task's selection
     metric (CER, accuracy) of the tested checkpoint. Never a test figure: tuning on the
@@ -239,20 +175,6 @@ def sweep_objective(cfg: DictConfig, results: dict[str, Any]) -> float:
             "a sweep needs at least one epoch."
         )
     return float(valid[metric])
-
-
-def preflight(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:
-    """Everything that can refuse a command before any work: keys, values, device, precision,
-    and the direction of a sweeper that tunes the run.
-
-    ``choices``: the chosen option of each config group (for the key check).
-    """
-    validate_config(cfg, choices, primary="config")
-    check_sweep_direction(cfg, _sweeper_direction())
-    opts = run_options(cfg)
-    device = resolve_device(opts.device)
-    for name in (opts.precision, opts.eval_precision):
-        check_precision_supported(AMPConfig.from_name(resolve_precision(name, device)[0]), device)
 
 
 def _cpu_model() -> str | None:

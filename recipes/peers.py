@@ -18,7 +18,7 @@ How each peer is driven:
   ``init_optimizers``), ``modules.train()``, ``zero_grad()`` and ``nonfinite_count = 0``;
   then one step is ``brain.step += 1; brain.fit_batch(batch)``: SpeechBrain's own autocast,
   GradScaler (fp16 on CUDA only), ``unscale_``, clipping, non-finite loss check and
-  optimizer step. It is timed by ``recipes.benchmarking.time_steps``, like our loops.
+  optimizer step. It is timed by ``recipes.step_timing.time_steps``, like our loops.
 * **Lightning** (``lightning.pytorch.Trainer``): a ``LightningModule`` whose
   ``training_step`` returns ``forward_loss`` and whose ``configure_optimizers`` returns
   AdamW; ``transfer_batch_to_device`` is overridden for our batch type, as Lightning's docs
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -71,7 +70,8 @@ from typing import Any
 import torch
 
 from amp_utils.autocast import PRECISIONS
-from amp_utils.memory import peak_memory_mb, reset_peak_memory
+from amp_utils.memory import reset_peak_memory
+from recipes.step_timing import step_stats, time_steps
 
 #: The peers :func:`run_peer` knows, by name.
 PEERS: tuple[str, ...] = ("speechbrain", "lightning")
@@ -130,7 +130,7 @@ class PeerResult:
         reason: why it was skipped or unsupported (empty when it ran).
         version: the peer's installed version, or ``None``.
         notes: what the peer did differently from our loop in this run.
-        stats: when it ran, the statistics in ``recipes.benchmarking.time_steps``' format
+        stats: when it ran, the statistics in ``recipes.step_timing.time_steps``' format
             (steps, seconds, steps_per_s, utterances, audio_seconds, p50_step_ms,
             p90_step_ms, peak_memory_mb); otherwise ``None``.
     """
@@ -271,30 +271,6 @@ def speechbrain_peer(
     return SpeechBrainPeer(brain=brain, notes=notes)
 
 
-def step_stats(
-    per_step_s: list[float],
-    total_s: float,
-    utterances: int,
-    audio_seconds: float,
-    device: torch.device,
-) -> dict[str, Any]:
-    """Statistics of timed steps, in the format of ``recipes.benchmarking.time_steps``."""
-    if not per_step_s:
-        raise ValueError("No timed steps: steps must be at least 1.")
-    ordered = sorted(per_step_s)
-    steps = len(ordered)
-    return {
-        "steps": steps,
-        "seconds": total_s,
-        "steps_per_s": steps / total_s,
-        "utterances": utterances,
-        "audio_seconds": audio_seconds,
-        "p50_step_ms": 1e3 * statistics.median(ordered),
-        "p90_step_ms": 1e3 * ordered[int(0.9 * (steps - 1))],
-        "peak_memory_mb": peak_memory_mb(device),
-    }
-
-
 def _batch_sizes(batches: Iterable[Any]) -> tuple[int, float]:
     """Utterances and audio seconds of ``batches`` (durations counted where on the host)."""
     utterances, audio_s = 0, 0.0
@@ -388,7 +364,7 @@ class LightningPeer:
         """``Trainer.fit`` over ``warmup + steps`` batches; statistics of the last ``steps``.
 
         Returns:
-            The statistics in ``recipes.benchmarking.time_steps``' format.
+            The statistics in ``recipes.step_timing.time_steps``' format.
         """
         import lightning.pytorch as pl
 
@@ -517,8 +493,6 @@ def run_peer(
     if reason is not None:
         return PeerResult(name, precision, "unsupported", reason, version)
     if name == "speechbrain":
-        from recipes.benchmarking import time_steps  # not at import: benchmarking imports us
-
         peer = speechbrain_peer(modules, forward_loss, precision, device, settings)
         stats = time_steps(peer.step, batches, warmup, steps, device)
         stats.pop("shapes", None)  # the batch shapes only our FLOP counter reads

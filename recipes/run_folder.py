@@ -32,6 +32,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.run_results import RESULTS_FILE, RunResults
+from recipes.preflight import USER_ERRORS, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ class RunFolderCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""
         global _taken_over
-        from recipes.experiment import USER_ERRORS, preflight
-
         task_cfg = copy.deepcopy(config)
         with read_write(task_cfg), open_dict(task_cfg):
             del task_cfg["hydra"]

@@ -20,7 +20,8 @@ import hydra
 from omegaconf import DictConfig
 
 from recipes.config import register_resolvers
-from recipes.experiment import USER_ERRORS, sweep_objective, train
+from recipes.experiment import sweep_objective, train
+from recipes.preflight import USER_ERRORS
 from recipes.run_folder import log_to_files
 from recipes.schema import register_schemas
 

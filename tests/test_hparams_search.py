@@ -8,7 +8,8 @@ import re
 import pytest
 
 from recipes.config import ConfigError
-from recipes.experiment import check_sweep_direction, sweep_objective
+from recipes.experiment import sweep_objective
+from recipes.preflight import check_sweep_direction
 from tests.recipe_helpers import FAST, compose_config, run_cli
 
 

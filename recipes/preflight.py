@@ -1,0 +1,102 @@
+"""Everything that can refuse a command before any work, and what a refusal looks like.
+
+``preflight`` checks the composed config (keys, values, the task and model, the device and
+the precisions it supports, and the direction of a sweeper that tunes the run) before any
+data is prepared or any file is written; ``USER_ERRORS`` are the errors of bad input, which
+the entry points report as one line without a traceback. The Hydra callback of
+``recipes/run_folder.py`` runs ``preflight`` before Hydra writes into a run folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from omegaconf import DictConfig, OmegaConf
+
+from amp_utils import (
+    AMPConfig,
+    CheckpointError,
+    DeviceNotAvailableError,
+    DistributedConfigError,
+    NonFiniteLossError,
+    PrecisionNotSupportedError,
+    RunOptions,
+    resolve_device,
+)
+from amp_utils.module_precision import UnknownModulePatternError
+from amp_utils.precision import check_precision_supported, resolve_precision
+from data.errors import DataError
+from recipes.config import ConfigError, validate_config
+from recipes.tasks import UnknownTaskError, task_for
+
+RUN_OPTION_KEYS = frozenset(f.name for f in dataclasses.fields(RunOptions))  # trainer keys
+USER_ERRORS = (  # bad input: reported as one line, without a traceback
+    ConfigError,
+    DataError,
+    CheckpointError,
+    NonFiniteLossError,
+    PrecisionNotSupportedError,
+    DeviceNotAvailableError,
+    DistributedConfigError,
+    UnknownTaskError,
+    UnknownModulePatternError,
+)
+
+
+def run_options(cfg: DictConfig) -> RunOptions:
+    """Brain run options from the ``trainer``, ``precision`` and ``device`` nodes."""
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    return RunOptions.from_dict(
+        {
+            **{key: value for key, value in trainer.items() if key in RUN_OPTION_KEYS},
+            "device": cfg.device.name,
+            "precision": cfg.precision.name,
+            "eval_precision": cfg.precision.eval_precision,
+            "allow_tf32": cfg.precision.allow_tf32,
+            "seed": cfg.seed,
+        }
+    )
+
+
+def _sweeper_direction() -> str | None:
+    """The optimisation direction of the Hydra sweeper running this job (Optuna), if any."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        direction = HydraConfig.get().sweeper.get("direction")
+    except ValueError:  # composed outside @hydra.main
+        return None
+    if isinstance(direction, list | tuple) or OmegaConf.is_list(direction):
+        return str(direction[0]) if len(direction) == 1 else None
+    return str(direction) if direction is not None else None
+
+
+def check_sweep_direction(cfg: DictConfig, direction: str | None) -> None:
+    """A sweeper that optimises ``train.py``'s return value must go the metric's way.
+
+    ``train.py`` returns the tested checkpoint's validation metric (CER: lower is better,
+    accuracy: higher); maximising CER would tune the recipe to be worse.
+    """
+    if direction is None:
+        return
+    metric, wanted = task_for(cfg.model).selection_metric
+    if direction.lower() != wanted:
+        raise ConfigError(
+            f"hydra.sweeper.direction={direction} but model={cfg.model.name} is tuned on its "
+            f"validation {metric}, which it must {wanted}. Fix: hydra.sweeper.direction={wanted} "
+            "(or pick the hparams_search preset of this task)."
+        )
+
+
+def preflight(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:
+    """Everything that can refuse a command before any work: keys, values, device, precision,
+    and the direction of a sweeper that tunes the run.
+
+    ``choices``: the chosen option of each config group (for the key check).
+    """
+    validate_config(cfg, choices, primary="config")
+    check_sweep_direction(cfg, _sweeper_direction())
+    opts = run_options(cfg)
+    device = resolve_device(opts.device)
+    for name in (opts.precision, opts.eval_precision):
+        check_precision_supported(AMPConfig.from_name(resolve_precision(name, device)[0]), device)

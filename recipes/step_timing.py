@@ -1,0 +1,89 @@
+"""Timing of training steps: per-step times without host syncs, and their statistics.
+
+Used by the benchmark for our loops and the peers' (``recipes/benchmarking.py``,
+``recipes/peers.py``). On CUDA each step is bracketed by CUDA events (the device's
+timeline; the host does not wait between steps) and the device is synchronised only
+around the measurement; on the CPU the host clock is used.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from amp_utils.memory import peak_memory_mb, reset_peak_memory
+from data.dataset import AudioBatch
+
+
+def time_steps(
+    step: Callable[[AudioBatch], None],
+    batches: Iterator[AudioBatch],
+    warmup: int,
+    steps: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Run ``warmup`` + ``steps`` steps; per-step seconds and totals of the timed ones.
+
+    ``shapes`` lists the timed batches' waveform shapes (for counting FLOPs afterwards).
+    """
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        step(next(batches))
+    if cuda:
+        torch.cuda.synchronize(device)
+    reset_peak_memory(device)
+    marks: list[Any] = []
+    shapes: list[tuple[int, ...]] = []
+    utterances, audio_s = 0, 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        batch = next(batches)
+        utterances += len(batch)
+        shapes.append(tuple(batch.wavs.shape))
+        audio_s += float(batch.durations.sum()) if batch.durations.device.type == "cpu" else 0.0
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
+        else:
+            marks.append(time.perf_counter())
+        step(batch)
+    if cuda:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        torch.cuda.synchronize(device)
+        marks.append(end)
+        per_step = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+    else:
+        marks.append(time.perf_counter())
+        per_step = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    total = time.perf_counter() - start
+    return {**step_stats(per_step, total, utterances, audio_s, device), "shapes": shapes}
+
+
+def step_stats(
+    per_step_s: list[float],
+    total_s: float,
+    utterances: int,
+    audio_seconds: float,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Statistics of timed steps as ``time_steps`` returns them (peers' timers use it too)."""
+    if not per_step_s:
+        raise ValueError("No timed steps: steps must be at least 1.")
+    ordered = sorted(per_step_s)
+    steps = len(ordered)
+    return {
+        "steps": steps,
+        "seconds": total_s,
+        "steps_per_s": steps / total_s,
+        "utterances": utterances,
+        "audio_seconds": audio_seconds,
+        "p50_step_ms": 1e3 * statistics.median(ordered),
+        "p90_step_ms": 1e3 * ordered[int(0.9 * (steps - 1))],
+        "peak_memory_mb": peak_memory_mb(device),
+    }
