@@ -159,15 +159,15 @@ def tensorboard_hparams(
     ``max_batch_seconds`` is the batch budget the samplers used (after the device's
     ``batch_scale``), not the configured value.
     """
+    # Five settings that tell runs apart: TensorBoard shows five hparams columns by
+    # default (those that differ between runs first), so all of these are visible. The
+    # rest of the config is in the run folder's config_resolved.yaml.
     hparams = {
         "precision": results.precision,
-        "device": results.device,
         "model": cfg.model.name,
         "data": cfg.data.name,
-        "epochs": cfg.trainer.epochs,
-        "lr": cfg.model.lr,
+        "device": results.device,
         "max_batch_seconds": data.max_batch_seconds,
-        "compile": cfg.trainer.compile,
     }
     metrics = {metric_tag(k): v for k, v in results.test_metrics.items()}
     speed = results.throughput.train_utterances_per_s
