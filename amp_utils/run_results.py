@@ -17,6 +17,20 @@ from typing import Any
 from amp_utils.atomic import atomic_write_json
 
 RESULTS_FILE = "results.json"
+PERCENT_METRICS = frozenset({"CER", "WER", "accuracy"})  # metrics recorded in percent
+
+
+def metric_label(name: str, prefix: str = "test ") -> str:
+    """A metric's column/axis label with its unit: ``test CER %``, ``test loss``."""
+    return f"{prefix}{name} %" if name in PERCENT_METRICS else f"{prefix}{name}"
+
+
+def metric_tag(name: str, stage: str = "test") -> str:
+    """A metric's TensorBoard tag with its unit: ``test/CER_percent``, ``test/loss``.
+
+    TensorBoard shows only the tag above a chart, so the unit goes into the tag.
+    """
+    return f"{stage}/{name}_percent" if name in PERCENT_METRICS else f"{stage}/{name}"
 
 
 @dataclass

@@ -56,7 +56,8 @@ class StepLedger:
         on_applied_step: called once per optimizer step that was applied (not skipped),
             e.g. to step the LR scheduler.
         tensorboard: an ``amp_utils.TensorBoardLogger`` for per-step scalars, or None.
-        log_interval_steps: write the per-step scalars every this many batches.
+        log_interval_steps: write the per-step scalars every this many optimizer steps
+            of the whole run (applied or skipped; the count runs on across epochs).
         extra_scalars: called when scalars are written; returns more of them (the
             learning rate, throughput) from state the ledger does not own.
     """
@@ -152,8 +153,17 @@ class StepLedger:
         scale = values[-1] if item.scaled else None
         self._log_scalars(item, loss, scale)
 
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps of the whole run, applied or skipped: TensorBoard's x-axis."""
+        return self.optimizer_step + self.skipped_steps
+
     def _log_scalars(self, item: PendingBatch, loss: float, scale: float | None) -> None:
-        if self.tensorboard is None or item.step % self.log_interval_steps:
+        # Keyed on the run's optimizer steps, not on the in-epoch batch counter, so the
+        # interval runs on across epochs (steps 10, 20, 30, not 10, 20, 37, 47).
+        if self.tensorboard is None or not item.stepped:
+            return
+        if self.steps_taken % self.log_interval_steps:
             return
         scalars: dict[str, float] = {"train/loss": loss}
         if self.extra_scalars is not None:
@@ -163,4 +173,4 @@ class StepLedger:
         if scale is not None:
             scalars["train/loss_scale"] = scale
         scalars["train/skipped_steps"] = self.skipped_steps
-        self.tensorboard.log_scalars(scalars, step=self.optimizer_step + self.skipped_steps)
+        self.tensorboard.log_scalars(scalars, step=self.steps_taken)

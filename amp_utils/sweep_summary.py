@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_write_text
-from amp_utils.run_results import RESULTS_FILE, RunResults
+from amp_utils.run_results import RESULTS_FILE, RunResults, metric_label
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +145,13 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
             if isinstance(speed, (int, float)) and speed > 0:
                 fp32_speed.setdefault(_comparison_key(run), float(speed))
 
+    metric_columns = {name: metric_label(name) for name in metric_names}  # "test CER %"
     rows = []
     for run in runs:
         results = run["results"]
-        row = dict.fromkeys((*_LEADING_COLUMNS, *metric_names, *_TRAILING_COLUMNS), MISSING)
+        row = dict.fromkeys(
+            (*_LEADING_COLUMNS, *metric_columns.values(), *_TRAILING_COLUMNS), MISSING
+        )
         row["run"] = run["name"]
         if results is None:
             row["status"] = "failed"
@@ -164,8 +167,8 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
             row["precision"] += " (auto)"
         row["processes"] = str(results.world_size)  # DDP ranks
         metrics = results.test_metrics or {}
-        for name in metric_names:
-            row[name] = _format_number(metrics.get(name))
+        for name, column in metric_columns.items():
+            row[column] = _format_number(metrics.get(name))
         speed = results.throughput.train_utterances_per_s
         row["utt/s"] = _format_number(speed)
         row["audio-s/s"] = _format_number(results.throughput.train_audio_seconds_per_s)
@@ -213,8 +216,9 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
         The table rows, sorted by overrides (runs that differ only in precision next to
         each other, in the order fp32, fp16, bf16): dicts from column name to the formatted
         cell (``run``, ``status``, ``precision``, ``device``, ``processes``, ``model``,
-        ``data``, each test metric, ``utt/s``, ``audio-s/s``, ``speed-up vs fp32``,
-        ``peak memory MB``, ``wall time s``); missing values are ``"—"``.
+        ``data``, each test metric with its unit (``test CER %``, ``test loss``), ``utt/s``,
+        ``audio-s/s``, ``speed-up vs fp32``, ``peak memory MB``, ``wall time s``); missing values
+        are ``"—"``.
     """
     sweep_dir = Path(sweep_dir)
     rows = _build_rows(_collect_runs(sweep_dir))

@@ -19,6 +19,7 @@ import torch
 from amp_utils import Brain, Stage
 from amp_utils.compile import unwrap_module
 from amp_utils.distributed import all_reduce_counts
+from amp_utils.run_results import PERCENT_METRICS
 from data.dataset import AudioBatch
 
 logger = logging.getLogger(__name__)
@@ -111,12 +112,17 @@ class AudioBrain(Brain):
             format_metrics(metrics),
         )
         if self.tensorboard is not None:
-            scalars = {"epoch/train_loss": getattr(self, "train_loss", float("nan"))}
+            # At the optimizer step, like train/*: one x-axis for every chart of a run.
+            step = self.ledger.steps_taken
+            scalars = {
+                "epoch/number": epoch,
+                "epoch/train_loss": getattr(self, "train_loss", float("nan")),
+            }
             scalars.update({f"valid/{k}": v for k, v in metrics.items()})
-            self.tensorboard.log_scalars(scalars, step=epoch)
+            self.tensorboard.log_scalars(scalars, step=step)
             examples = self.text_examples()
             if examples:
-                self.tensorboard.log_text("valid/examples", examples, step=epoch)
+                self.tensorboard.log_text("valid/examples", examples, step=step)
         if self.checkpointer is not None:
             keys = {"min_keys" if self.metric_mode == "min" else "max_keys": [self.metric_key]}
             self.checkpointer.save_and_keep_only(
@@ -191,9 +197,6 @@ class AudioBrain(Brain):
             "optimizer_step": meta.get("optimizer_step"),
             "valid_metrics": valid,
         }
-
-
-PERCENT_METRICS = frozenset({"CER", "WER", "accuracy"})  # metrics in percent
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -56,12 +56,25 @@ HELP_EXAMPLES = (
 )
 
 
+def precision_first(override_dirname: str) -> str:
+    """``device=cpu,precision=bf16`` -> ``precision=bf16,device=cpu``.
+
+    Names a sweep's job folder (TensorBoard's run name) with what a precision sweep
+    varies first, where a truncated run list still shows it.
+    """
+    items = override_dirname.split(",") if override_dirname else []
+    first = [item for item in items if item.lstrip("+").startswith("precision=")]
+    return ",".join(first + [item for item in items if item not in first])
+
+
 def register_resolvers() -> None:
     """Register ``${run_name:...}`` (the overrides as a folder name) and ``${config_help:}``."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver(
             "run_name", lambda overrides: (overrides or "default").replace("/", "_")
         )
+    if not OmegaConf.has_resolver("precision_first"):
+        OmegaConf.register_new_resolver("precision_first", precision_first)
     if not OmegaConf.has_resolver("config_help"):
         # Hydra's help template goes through string.Template: "$" must be doubled.
         OmegaConf.register_new_resolver("config_help", lambda: config_help().replace("$", "$$"))

@@ -43,7 +43,7 @@ from amp_utils.distributed import (
 from amp_utils.precision import AUTO
 from amp_utils.run_clock import RunClock
 from amp_utils.run_env import write_env_file
-from amp_utils.run_results import RESULTS_FILE, RunResults, Throughput
+from amp_utils.run_results import RESULTS_FILE, RunResults, Throughput, metric_tag
 from amp_utils.tensorboard import TensorBoardLogger
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError
@@ -120,21 +120,26 @@ def tensorboard_hparams(
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """TensorBoard's hparams of a run and its final metrics: ``(hparams, metrics)``.
 
+    ``metrics`` maps TensorBoard tags with units (``test/CER_percent``) to the test
+    figures; they are logged at the last optimizer step and the HParams tab refers to them.
+
     ``max_batch_seconds`` is the batch budget the samplers used (after the device's
     ``batch_scale``), not the configured value.
     """
+    # Five settings that tell runs apart: TensorBoard shows five hparams columns by
+    # default (those that differ between runs first), so all of these are visible. The
+    # rest of the config is in the run folder's config_resolved.yaml.
     hparams = {
         "precision": results.precision,
-        "device": results.device,
         "model": cfg.model.name,
         "data": cfg.data.name,
-        "epochs": cfg.trainer.epochs,
-        "lr": cfg.model.lr,
+        "device": results.device,
         "max_batch_seconds": data.max_batch_seconds,
-        "compile": cfg.trainer.compile,
     }
-    metrics = {f"test_{k}": v for k, v in results.test_metrics.items()}
-    metrics["utterances_per_s"] = results.throughput.train_utterances_per_s
+    metrics = {metric_tag(k): v for k, v in results.test_metrics.items()}
+    speed = results.throughput.train_utterances_per_s
+    if speed is not None:
+        metrics["speed/train_utterances_per_s"] = speed
     return hparams, metrics
 
 
@@ -358,7 +363,9 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         if not main:
             return results.to_dict()
         results.write(out_dir / RESULTS_FILE)
-        tensorboard.log_hparams(*tensorboard_hparams(cfg, results, data))
+        hparams, metrics = tensorboard_hparams(cfg, results, data)
+        tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
+        tensorboard.log_hparams(hparams, list(metrics))
     finally:
         if tensorboard is not None:
             tensorboard.close()

@@ -63,10 +63,10 @@ def test_summarize_sweep_rows_and_speedups(tmp_path: Path) -> None:
         "processes",
         "model",
         "data",
-        "CER",
-        "WER",
-        "loss",
-        "accuracy",
+        "test CER %",
+        "test WER %",
+        "test loss",
+        "test accuracy %",
         "utt/s",
         "audio-s/s",
         "speed-up vs fp32",
@@ -78,8 +78,8 @@ def test_summarize_sweep_rows_and_speedups(tmp_path: Path) -> None:
     assert by_run["1"]["speed-up vs fp32"] == "1.80x"
     assert by_run["2"]["speed-up vs fp32"] == "1.50x"
     assert by_run["4"]["speed-up vs fp32"] == "—"  # its fp32 counterpart does not exist
-    assert by_run["1"]["CER"] == "1.23" and by_run["1"]["accuracy"] == "—"
-    assert by_run["4"]["accuracy"] == "99.25" and by_run["4"]["CER"] == "—"
+    assert by_run["1"]["test CER %"] == "1.23" and by_run["1"]["test accuracy %"] == "—"
+    assert by_run["4"]["test accuracy %"] == "99.25" and by_run["4"]["test CER %"] == "—"
     assert by_run["0"]["utt/s"] == "100.00" and by_run["0"]["audio-s/s"] == "50.00"
     assert by_run["0"]["peak memory MB"] == "812.50" and by_run["0"]["wall time s"] == "301.20"
     assert by_run["0"]["status"] == "ok"
