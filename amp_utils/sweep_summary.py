@@ -195,6 +195,42 @@ def format_markdown(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def held_out_speakers_markdown(runs: list[dict[str, Any]]) -> str:
+    """Per held-out speaker test metrics and their mean, for runs with ``test_speakers``.
+
+    A leave-one-speaker-out sweep (``-m 'data.test_speakers=[george],[jackson],...'``)
+    gives one run per held-out voice; the mean over them is the number that says whether
+    a model works on a voice it has never heard. Runs are grouped by precision and model;
+    empty string when no run held speakers out.
+    """
+    groups: dict[tuple[str, str], list[tuple[str, dict[str, float]]]] = {}
+    for run in runs:
+        results = run["results"]
+        speakers = (results.dataset or {}).get("test_speakers") if results else None
+        if not speakers:
+            continue
+        key = (str(results.precision), str(results.model))
+        groups.setdefault(key, []).append((",".join(speakers), results.test_metrics or {}))
+    if not groups:
+        return ""
+    out = ["", "## Held-out speakers (test set = every recording of a voice never trained on)", ""]
+    for (precision, model), entries in sorted(groups.items()):
+        names = [n for n in entries[0][1] if n != "loss"]
+        rows = [
+            {
+                "held-out speaker": speaker,
+                **{metric_label(n): _format_number(m.get(n)) for n in names},
+            }
+            for speaker, m in sorted(entries)
+        ]
+        mean = {"held-out speaker": f"mean of {len(entries)}"}
+        for name in names:
+            values = [m[name] for _, m in entries if isinstance(m.get(name), (int, float))]
+            mean[metric_label(name)] = _format_number(sum(values) / len(values) if values else None)
+        out += [f"{model}, {precision}:", "", format_markdown([*rows, mean])]
+    return "\n".join(out)
+
+
 def format_csv(rows: list[dict[str, str]]) -> str:
     """CSV text of ``rows`` with a header line (empty string for no rows)."""
     if not rows:
@@ -221,8 +257,11 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
         are ``"—"``.
     """
     sweep_dir = Path(sweep_dir)
-    rows = _build_rows(_collect_runs(sweep_dir))
-    atomic_write_text(sweep_dir / "summary.md", format_markdown(rows))
+    runs = _collect_runs(sweep_dir)
+    rows = _build_rows(runs)
+    atomic_write_text(
+        sweep_dir / "summary.md", format_markdown(rows) + held_out_speakers_markdown(runs)
+    )
     atomic_write_text(sweep_dir / "summary.csv", format_csv(rows))
     return rows
 

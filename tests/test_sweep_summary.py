@@ -139,3 +139,27 @@ def test_callback_is_instantiable_from_hydra_config() -> None:
 
     callback = instantiate({"_target_": "amp_utils.sweep_summary.SweepSummaryCallback"})
     assert isinstance(callback, SweepSummaryCallback)
+
+
+def test_leave_one_speaker_out_sweep_gets_per_speaker_rows_and_their_mean(tmp_path: Path) -> None:
+    for index, (speaker, wer) in enumerate((("george", 40.0), ("lucas", 60.0), ("theo", 20.0))):
+        overrides = [f"data.test_speakers=[{speaker}]"]
+        results = _results("fp32", overrides, CER=wer / 2, WER=wer, loss=1.0)
+        results["dataset"] = {"test_speakers": [speaker]}
+        _write_job(tmp_path, f"{index}_data.test_speakers=[{speaker}]", overrides, results)
+    _write_job(tmp_path, "3_plain", [], _results("fp32", []))  # no held-out speaker: not listed
+    summarize_sweep(tmp_path)
+    text = (tmp_path / "summary.md").read_text()
+    held_out = text.split("## Held-out speakers", 1)[1]
+    lines = [line for line in held_out.splitlines() if line.startswith("| ")]
+    assert lines[0] == "| held-out speaker | test CER % | test WER % |"
+    assert lines[1:] == [
+        "| george | 20.00 | 40.00 |",
+        "| lucas | 30.00 | 60.00 |",
+        "| theo | 10.00 | 20.00 |",
+        "| mean of 3 | 20.00 | 40.00 |",
+    ]
+    summarize_sweep_without = tmp_path / "plain"
+    _write_job(summarize_sweep_without, "0_plain", [], _results("fp32", []))
+    summarize_sweep(summarize_sweep_without)
+    assert "Held-out" not in (summarize_sweep_without / "summary.md").read_text()
