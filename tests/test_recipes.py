@@ -511,7 +511,7 @@ def test_multirun_over_three_precisions_writes_summary(fsdd_root, prepared_digit
     assert all(r["status"] == "ok" for r in rows)
     fp32 = next(r for r in rows if r["precision"] == "fp32")
     assert fp32["speed-up vs fp32"] == "1.00x"
-    assert "CER" in rows[0] and "WER" in rows[0]
+    assert "test CER %" in rows[0] and "test WER %" in rows[0]  # test figures, with units
     markdown = (sweep / "summary.md").read_text()
     assert markdown.count("\n|") >= 4 and "speed-up vs fp32" in markdown
     assert "speed-up vs fp32" in result.stdout + result.stderr  # the table is printed
