@@ -18,6 +18,7 @@ from amp_utils.atomic import atomic_write_json
 
 RESULTS_FILE = "results.json"
 PERCENT_METRICS = frozenset({"CER", "WER", "accuracy"})  # metrics recorded in percent
+SPEED_TAG = "speed/train_utterances_per_s"  # TensorBoard tag of a run's training speed
 
 
 def metric_label(name: str, prefix: str = "test ") -> str:
@@ -84,6 +85,17 @@ class RunResults:
     def completed_epochs(self) -> int | None:
         """Epochs the run completed (older files recorded only the planned ``epochs``)."""
         return self.epochs_completed if self.epochs_completed is not None else self.epochs
+
+    def final_metrics(self) -> dict[str, float]:
+        """TensorBoard tags -> values of what the run ended with: the test metrics with
+        units (``test/CER_percent``) and the training speed (``speed/train_utterances_per_s``).
+
+        A run logs these at its last step; the HParams tab shows them as its metrics.
+        """
+        metrics = {metric_tag(k): v for k, v in (self.test_metrics or {}).items()}
+        if self.throughput.train_utterances_per_s is not None:
+            metrics[SPEED_TAG] = self.throughput.train_utterances_per_s
+        return metrics
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of ``results.json`` (plain dicts, lists and numbers)."""

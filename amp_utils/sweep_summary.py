@@ -4,7 +4,9 @@ Each run writes ``results.json`` into its job folder. :func:`summarize_sweep` co
 into ``summary.md`` and ``summary.csv`` in the sweep directory, with the speed-up of each
 run over the fp32 run that differs from it only in precision. Job folders (found through
 Hydra's ``.hydra/overrides.yaml``) without ``results.json`` are listed as failed, so a
-crashed run is visible instead of silently missing. :class:`SweepSummaryCallback` runs it
+crashed run is visible instead of silently missing. The sweep folder also gets TensorBoard's
+HParams experiment (swept keys first, the test metrics), so ``tensorboard --logdir`` on it
+compares the runs. :class:`SweepSummaryCallback` runs it
 at the end of every multirun.
 """
 
@@ -21,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_write_text
 from amp_utils.run_results import RESULTS_FILE, RunResults, metric_label
+from amp_utils.sweep_keys import precision_first, swept_keys
+from amp_utils.tensorboard import TENSORBOARD_DIR, write_sweep_experiment
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +267,26 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
         sweep_dir / "summary.md", format_markdown(rows) + held_out_speakers_markdown(runs)
     )
     atomic_write_text(sweep_dir / "summary.csv", format_csv(rows))
+    write_hparams_experiment(sweep_dir, runs)
     return rows
+
+
+def write_hparams_experiment(sweep_dir: Path, runs: list[dict[str, Any]]) -> list[str]:
+    """TensorBoard's HParams experiment of the sweep: swept keys first, test metrics only.
+
+    Returns the hparam names in column order (empty if no run logged hparams).
+    """
+    tags: list[str] = []
+    for run in runs:
+        if run["results"] is not None:
+            tags += [t for t in run["results"].final_metrics() if t not in tags]
+    run_dirs = [sweep_dir / run["name"] / TENSORBOARD_DIR for run in runs]
+    first = [*precision_first(swept_keys(sweep_dir)), "precision"]  # what differs first
+    try:
+        return write_sweep_experiment(sweep_dir, [d for d in run_dirs if d.is_dir()], first, tags)
+    except Exception as err:  # the table is written; TensorBoard falls back to its own view
+        log.warning("Cannot write the sweep's TensorBoard hparams experiment: %s", err)
+        return []
 
 
 class SweepSummaryCallback(Callback):

@@ -14,8 +14,11 @@ from typing import Any
 
 from tensorboard.compat.proto import types_pb2
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
+from tensorboard.plugins.hparams import plugin_data_pb2
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+TENSORBOARD_DIR = "tb"  # a run's event folder inside its run folder
 
 
 class TensorBoardLogger:
@@ -83,3 +86,76 @@ class TensorBoardLogger:
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
+
+
+def session_hparams(log_dir: str | Path) -> dict[str, bool | float | str]:
+    """The hparams a run recorded for the HParams tab (empty if it recorded none)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"tensors": 1, "scalars": 1})
+    accumulator.Reload()
+    if metadata.SESSION_START_INFO_TAG not in accumulator.Tags()["tensors"]:
+        return {}
+    content = accumulator.SummaryMetadata(metadata.SESSION_START_INFO_TAG).plugin_data.content
+    start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    values: dict[str, bool | float | str] = {}
+    for name, value in start.hparams.items():
+        kind = value.WhichOneof("kind")
+        if kind in ("bool_value", "number_value", "string_value"):
+            values[name] = getattr(value, kind)
+    return values
+
+
+def write_sweep_experiment(
+    sweep_dir: str | Path,
+    run_dirs: Sequence[str | Path],
+    first: Sequence[str],
+    metric_tags: Sequence[str],
+) -> list[str]:
+    """Write one HParams experiment for a sweep into ``sweep_dir`` (TensorBoard's run ".").
+
+    Without one, TensorBoard lists every scalar tag of every run as a metric; with it, the
+    HParams tab shows ``metric_tags`` (the test figures and speed) and, as columns shown
+    without a click, ``first`` (the swept keys and ``precision``) and any other hparam whose
+    value differs between runs (TensorBoard orders those by name, then the others).
+    Each hparam's domain is the values the runs used, as TensorBoard would infer it.
+
+    Args:
+        sweep_dir: the multirun folder (``tensorboard --logdir`` on it shows the sweep).
+        run_dirs: each job's TensorBoard folder.
+        first: hparam names to put first, in this order (those that no run has are left out).
+        metric_tags: the scalar tags shown as metrics.
+
+    Returns:
+        The hparam names in the written order (empty, and nothing written, if no run
+        recorded hparams).
+    """
+    runs = [session_hparams(run_dir) for run_dir in run_dirs]
+    names: list[str] = []
+    for name in [*first, *(n for run in runs for n in run)]:
+        if name not in names and any(name in run for run in runs):
+            names.append(name)
+    if not names:
+        return []
+    example, domains = {}, {}
+    for name in names:
+        values = [run[name] for run in runs if name in run]
+        example[name] = values[0]
+        if all(type(v) is type(values[0]) for v in values):  # noqa: E721 (bool is an int)
+            domains[name] = sorted(set(values))
+    experiment, _start, _end = hparams_summaries(example, dict.fromkeys(metric_tags, 0.0), domains)
+    # TensorBoard shows the hparams marked as differing first (then by name) and hides the
+    # rest beyond its column limit: mark the ones asked for first and those that differ.
+    differing = {n for n in names if n in first or len({str(r.get(n)) for r in runs}) > 1}
+    for value in experiment.value:
+        data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+        for info in data.experiment.hparam_infos:
+            info.differs = info.name in differing
+        value.metadata.plugin_data.content = data.SerializeToString()
+        value.tensor.CopyFrom(TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[0.0]))
+    for old in Path(sweep_dir).glob("events.out.tfevents.*"):  # an earlier summary of this sweep
+        old.unlink()
+    with SummaryWriter(str(sweep_dir)) as writer:
+        writer.file_writer.add_summary(experiment)
+    return names

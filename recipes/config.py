@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.distributed import BACKENDS
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name
+from amp_utils.sweep_keys import sweep_job_name
 from recipes.schema import schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
@@ -56,25 +57,17 @@ HELP_EXAMPLES = (
 )
 
 
-def precision_first(override_dirname: str) -> str:
-    """``device=cpu,precision=bf16`` -> ``precision=bf16,device=cpu``.
-
-    Names a sweep's job folder (TensorBoard's run name) with what a precision sweep
-    varies first, where a truncated run list still shows it.
-    """
-    items = override_dirname.split(",") if override_dirname else []
-    first = [item for item in items if item.lstrip("+").startswith("precision=")]
-    return ",".join(first + [item for item in items if item not in first])
-
-
 def register_resolvers() -> None:
-    """Register ``${run_name:...}`` (the overrides as a folder name) and ``${config_help:}``."""
+    """Register ``${run_name:...}`` (overrides as a folder name), ``${sweep_job_name:...}``
+    and ``${config_help:}``."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver(
             "run_name", lambda overrides: (overrides or "default").replace("/", "_")
         )
-    if not OmegaConf.has_resolver("precision_first"):
-        OmegaConf.register_new_resolver("precision_first", precision_first)
+    if not OmegaConf.has_resolver("sweep_job_name"):
+        # ${sweep_job_name:${hydra.sweep.dir},${hydra.job.override_dirname}}: a sweep job's
+        # folder (TensorBoard run) named by the keys the sweep varies.
+        OmegaConf.register_new_resolver("sweep_job_name", sweep_job_name)
     if not OmegaConf.has_resolver("config_help"):
         # Hydra's help template goes through string.Template: "$" must be doubled.
         OmegaConf.register_new_resolver("config_help", lambda: config_help().replace("$", "$$"))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import (
     Checkpointer,
@@ -43,8 +43,8 @@ from amp_utils.distributed import (
 from amp_utils.precision import AUTO
 from amp_utils.run_clock import RunClock
 from amp_utils.run_env import write_env_file
-from amp_utils.run_results import RESULTS_FILE, RunResults, Throughput, metric_tag
-from amp_utils.tensorboard import TensorBoardLogger
+from amp_utils.run_results import RESULTS_FILE, RunResults, Throughput
+from amp_utils.tensorboard import TENSORBOARD_DIR, TensorBoardLogger
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError
 from recipes.data_setup import DataBundle, build_data
@@ -115,6 +115,10 @@ def build_brain(
     )
 
 
+#: Command-line keys that say where files are, not how the model was trained.
+NOT_HPARAMS = frozenset({"data.root", "data.prepared_dir", "output_dir", "trainer.noprogressbar"})
+
+
 def tensorboard_hparams(
     cfg: DictConfig, results: RunResults, data: DataBundle
 ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -126,20 +130,25 @@ def tensorboard_hparams(
     ``max_batch_seconds`` is the batch budget the samplers used (after the device's
     ``batch_scale``), not the configured value.
     """
-    # Five settings that tell runs apart: TensorBoard shows five hparams columns by
-    # default (those that differ between runs first), so all of these are visible. The
-    # rest of the config is in the run folder's config_resolved.yaml.
-    hparams = {
+    # Five settings that tell runs apart, then every key set on the command line (a sweep's
+    # swept keys among them): TensorBoard lists the hparams that differ between runs first,
+    # so what a sweep varies is visible without a click. The rest of the config is in the
+    # run folder's config_resolved.yaml.
+    hparams: dict[str, Any] = {
         "precision": results.precision,
         "model": cfg.model.name,
         "data": cfg.data.name,
         "device": results.device,
         "max_batch_seconds": data.max_batch_seconds,
     }
-    metrics = {metric_tag(k): v for k, v in results.test_metrics.items()}
-    speed = results.throughput.train_utterances_per_s
-    if speed is not None:
-        metrics["speed/train_utterances_per_s"] = speed
+    for item in _overrides():
+        key, _, value = item.partition("=")
+        key = key.lstrip("+~")
+        if key in hparams or key in NOT_HPARAMS or key.startswith("hydra."):
+            continue
+        selected = OmegaConf.select(cfg, key, default=None)
+        hparams[key] = selected if isinstance(selected, bool | int | float | str) else value
+    metrics = results.final_metrics()
     return hparams, metrics
 
 
@@ -310,7 +319,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
                 out_dir / LABELS_FILE, {"task": cfg.model.task, "speakers": list(data.speakers)}
             )
 
-    tensorboard = TensorBoardLogger(out_dir / "tb") if main else None
+    tensorboard = TensorBoardLogger(out_dir / TENSORBOARD_DIR) if main else None
     try:
         brain = build_brain(cfg, data, out_dir, tensorboard, on_fit_ready)
         clock = RunClock(brain.peak_memory_mb, start=start)

@@ -491,6 +491,16 @@ def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings
     assert "not a training run folder" in result.stderr
 
 
+def hparams_experiment(log_dir: Path):
+    """The HParams experiment proto written directly into ``log_dir``."""
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    content = accumulator.SummaryMetadata(metadata.EXPERIMENT_TAG).plugin_data.content
+    return plugin_data_pb2.HParamsPluginData.FromString(content).experiment
+
+
 def test_multirun_over_three_precisions_writes_summary(fsdd_root, prepared_digits, tmp_path):
     sweep = tmp_path / "sweep"
     result = run_cli(
@@ -515,6 +525,11 @@ def test_multirun_over_three_precisions_writes_summary(fsdd_root, prepared_digit
     markdown = (sweep / "summary.md").read_text()
     assert markdown.count("\n|") >= 4 and "speed-up vs fp32" in markdown
     assert "speed-up vs fp32" in result.stdout + result.stderr  # the table is printed
+    # Job folders (TensorBoard's run names) carry what the sweep varies, nothing else.
     job_dirs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
-    for num, precision in enumerate(["fp32", "fp16", "bf16"]):  # folder names carry overrides
-        assert job_dirs[num].startswith(f"{num}_") and f"precision={precision}" in job_dirs[num]
+    assert job_dirs == [f"{num}_precision={p}" for num, p in enumerate(["fp32", "fp16", "bf16"])]
+    # The sweep folder holds the HParams experiment: precision first, test metrics only.
+    experiment = hparams_experiment(sweep)
+    assert experiment.hparam_infos[0].name == "precision" and experiment.hparam_infos[0].differs
+    assert {m.name.tag for m in experiment.metric_infos} >= {"test/CER_percent", "test/WER_percent"}
+    assert not [m for m in experiment.metric_infos if m.name.tag.startswith(("train/", "valid/"))]

@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from amp_utils.run_results import metric_label, metric_tag
 from amp_utils.step_ledger import StepInfo, StepLedger
-from amp_utils.tensorboard import TensorBoardLogger
-from recipes.config import precision_first
+from amp_utils.sweep_keys import override_items, sweep_job_name, swept_keys
+from amp_utils.tensorboard import TensorBoardLogger, write_sweep_experiment
 
 
 def _load(log_dir: Path) -> EventAccumulator:
@@ -119,10 +120,88 @@ def test_metric_names_carry_units() -> None:
     assert metric_label("loss") == "test loss"
 
 
-def test_sweep_job_names_put_precision_first() -> None:
-    """The run list cuts long names: what a precision sweep varies comes first."""
-    assert precision_first("device=cpu,model=xvector,precision=bf16") == (
-        "precision=bf16,device=cpu,model=xvector"
+def test_override_items_keep_list_values_whole() -> None:
+    assert override_items("a=1,data.test_speakers=[george,jackson],+b=x") == [
+        "a=1",
+        "data.test_speakers=[george,jackson]",
+        "+b=x",
+    ]
+    assert override_items("") == []
+
+
+def _write_multirun_yaml(sweep: Path, task: list[str], params: dict | None = None) -> None:
+    """A ``multirun.yaml`` as Hydra's basic sweeper saves it (the parts read here)."""
+    sweep.mkdir(parents=True, exist_ok=True)
+    master = {"hydra": {"overrides": {"task": task}, "sweeper": {"params": params}}}
+    OmegaConf.save(OmegaConf.create(master), sweep / "multirun.yaml")
+
+
+def test_swept_keys_come_from_the_sweeps_master_config(tmp_path: Path) -> None:
+    task = ["device=cpu", "model.lr=range(1,3)", "+seed=1,2", "data.test_speakers=[a,b],[c]"]
+    _write_multirun_yaml(tmp_path, ["precision=fp32,bf16", *task], {"model.dropout": "0.1,0.2"})
+    assert swept_keys(tmp_path) == [
+        "precision",
+        "model.lr",
+        "seed",
+        "data.test_speakers",
+        "model.dropout",
+    ]
+    assert swept_keys(tmp_path / "no-sweep-here") == []
+
+
+def test_sweep_jobs_are_named_by_the_swept_keys_precision_first(tmp_path: Path) -> None:
+    """TensorBoard's run list cuts long names: a job is named by what the sweep varies."""
+    _write_multirun_yaml(tmp_path, ["device=cpu", "model=xvector", "seed=1,2", "precision=a,b"])
+    assert sweep_job_name(str(tmp_path), "device=cpu,model=xvector,precision=bf16,seed=2") == (
+        "precision=bf16,seed=2"
     )
-    assert precision_first("device=cpu,+precision=fp16") == "+precision=fp16,device=cpu"
-    assert precision_first("") == ""
+    # Without the master config (e.g. the Optuna sweeper): every override, precision first.
+    assert sweep_job_name(str(tmp_path / "other"), "device=cpu,+precision=fp16") == (
+        "+precision=fp16,device=cpu"
+    )
+    assert sweep_job_name(str(tmp_path / "other"), "") == ""
+
+
+def test_sweep_experiment_lists_swept_hparams_first_and_test_metrics_only(tmp_path: Path) -> None:
+    """The sweep folder's experiment fixes what the HParams tab shows, in TensorBoard itself."""
+    from tensorboard import context as request_context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import backend_context
+
+    run_dirs = []
+    for num, (precision, seed) in enumerate([("fp32", 1), ("bf16", 1), ("fp32", 2)]):
+        run_dirs.append(tmp_path / f"{num}_precision={precision},seed={seed}" / "tb")
+        logger = TensorBoardLogger(run_dirs[-1])
+        logger.log_scalars({"train/loss": 1.0, "test/accuracy_percent": 90.0 + num}, step=4)
+        hparams = {"model": "xvector", "data": "fsdd", "device": "cpu", "max_batch_seconds": 60.0}
+        logger.log_hparams({"precision": precision, **hparams, "seed": seed}, [])
+        logger.close()
+    names = write_sweep_experiment(
+        tmp_path, run_dirs, ["seed", "precision"], ["test/accuracy_percent"]
+    )
+    assert names[:2] == ["seed", "precision"] and "model" in names
+    # written twice (a re-summarised sweep), read once: the old experiment is replaced
+    write_sweep_experiment(tmp_path, run_dirs, ["seed", "precision"], ["test/accuracy_percent"])
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path))
+    context = backend_context.Context(base_plugin.TBContext(data_provider=provider))
+    ctx = request_context.RequestContext()
+    experiment = context.experiment_from_metadata(
+        ctx,
+        "",
+        include_metrics=True,
+        hparams_run_to_tag_to_content=context.hparams_metadata(ctx, ""),
+        data_provider_hparams=None,
+        hparams_limit=5,
+    )
+    # swept first (TensorBoard orders them by name), the same-for-all ones after
+    assert [info.name for info in experiment.hparam_infos][:2] == ["precision", "seed"]
+    assert [info.differs for info in experiment.hparam_infos][:3] == [True, True, False]
+    assert [m.name.tag for m in experiment.metric_infos] == ["test/accuracy_percent"]
+    precision = experiment.hparam_infos[0]
+    assert sorted(v.string_value for v in precision.domain_discrete.values) == ["bf16", "fp32"]
