@@ -167,18 +167,12 @@ def check_known_keys(node: DictConfig, where: str = "") -> None:
             check_known_keys(child, f"{where}{key}.")
 
 
-def validate_config(
-    cfg: DictConfig, choices: Mapping[str, str] | None = None, primary: str | None = None
-) -> None:
+def validate_config(cfg: DictConfig) -> None:
     """Check what the schema's types cannot; raises ConfigError on the first bad value.
 
     Args:
         cfg: the composed, typed config (with or without its ``hydra`` node).
-        choices: the chosen option of each group; unused since the schema types each node
-            (kept for the callers' signature).
-        primary: the primary config's name; unused likewise.
     """
-    del choices, primary  # the node types say which schema applies
     check_known_keys(cfg)
     try:
         parse_device_name(cfg.device.name)
@@ -224,3 +218,9 @@ def validate_config(
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")
+    smoothing = OmegaConf.select(cfg, "model.label_smoothing", default=0.0)
+    if not 0.0 <= smoothing < 1.0:
+        raise ConfigError(
+            f"model.label_smoothing={smoothing!r} is not valid; it must be in [0, 1) "
+            "(e.g. model.label_smoothing=0.1; 0 turns it off)."
+        )

@@ -51,7 +51,7 @@ def training_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"diagnose.batches={cfg.diagnose.batches} must be 1 or more.")
     train_cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "diagnose"])
     train_cfg.precision.fp32_modules = []  # applied by diagnose() itself, names reported
-    validate_config(train_cfg, primary="config")
+    validate_config(train_cfg)
     return train_cfg
 
 

@@ -105,6 +105,7 @@ def build_brain(
             "speakers": data.speakers,
             "keep_checkpoints": cfg.trainer.keep_checkpoints,
             "average_checkpoints": cfg.trainer.average_checkpoints,
+            "label_smoothing": OmegaConf.select(cfg, "model.label_smoothing", default=0.0),
             "num_text_examples": cfg.trainer.num_text_examples,
             "lr_scheduler": lr_scheduler,
             "tensorboard": tensorboard,
@@ -165,16 +166,6 @@ def _overrides() -> list[str]:
         return list(HydraConfig.get().overrides.task)
     except ValueError:  # composed outside @hydra.main (tests, notebooks)
         return []
-
-
-def _choices() -> dict[str, str] | None:
-    """The chosen option of each config group, when Hydra composed the config."""
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        return {k: str(v) for k, v in HydraConfig.get().runtime.choices.items()}
-    except ValueError:
-        return None
 
 
 def sweep_objective(cfg: DictConfig, results: dict[str, Any]) -> float:
@@ -287,7 +278,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     finished: its results are returned and nothing is written.
     """
     start = time.time()
-    preflight(cfg, _choices())
+    preflight(cfg)
     finished = finished_results(Path(cfg.output_dir), int(cfg.trainer.epochs))
     if finished is not None:
         logger.info(finished_message(Path(cfg.output_dir), finished))

@@ -88,13 +88,10 @@ def check_sweep_direction(cfg: DictConfig, direction: str | None) -> None:
         )
 
 
-def preflight(cfg: DictConfig, choices: dict[str, str] | None = None) -> None:
+def preflight(cfg: DictConfig) -> None:
     """Everything that can refuse a command before any work: keys, values, device, precision,
-    and the direction of a sweeper that tunes the run.
-
-    ``choices``: the chosen option of each config group (for the key check).
-    """
-    validate_config(cfg, choices, primary="config")
+    and the direction of a sweeper that tunes the run."""
+    validate_config(cfg)
     check_sweep_direction(cfg, _sweeper_direction())
     opts = run_options(cfg)
     device = resolve_device(opts.device)

@@ -104,7 +104,7 @@ class RunFolderCallback(Callback):
             del task_cfg["hydra"]
         run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         try:
-            preflight(task_cfg, dict(config.hydra.runtime.choices))
+            preflight(task_cfg)
         except USER_ERRORS as err:
             sys.exit(f"error: {err}")
         results = finished_results(run_dir, int(task_cfg.trainer.epochs))

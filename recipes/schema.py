@@ -108,6 +108,7 @@ class XvectorConfig(ModelConfig):
     channels: int = MISSING  # TDNN channels
     embedding_dim: int = MISSING  # speaker embedding size
     max_batch_seconds: float = MISSING  # default data.max_batch_seconds for this model
+    label_smoothing: float = MISSING  # cross-entropy label smoothing in training (0: off)
 
 
 @dataclass

@@ -91,3 +91,10 @@ def test_gpu_experiment_composes():
     cfg = compose_config(["experiment=gpu_asr", "output_dir=unused"])
     validate_config(cfg)
     assert cfg.model.name == "conformer_ctc_m" and cfg.data.num_train == 50000
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0])
+def test_label_smoothing_outside_zero_to_one_is_refused(value):
+    cfg = compose_config([*FAST, "model=xvector", f"model.label_smoothing={value}"])
+    with pytest.raises(ConfigError, match=r"model.label_smoothing=.* must be in \[0, 1\)"):
+        validate_config(cfg)

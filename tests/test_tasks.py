@@ -42,3 +42,31 @@ def test_predictions_are_labels() -> None:
     ids = torch.tensor([[2, 2, 0, 3, 0]])
     logits = torch.nn.functional.one_hot(ids, CharTokenizer().vocab_size).float() * 10
     assert get_task("asr").predict((logits, torch.tensor([5])), speakers) == ["ab"]
+
+
+class _Batch:
+    """The part of an AudioBatch the speaker objective reads."""
+
+    def __init__(self, speakers: torch.Tensor) -> None:
+        self.speakers = speakers
+
+    def __len__(self) -> int:
+        return len(self.speakers)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_speaker_label_smoothing_shapes_the_training_loss_only(smoothing) -> None:
+    """``model.label_smoothing`` enters the training cross-entropy; validation stays plain."""
+    from amp_utils import Stage
+
+    brain = SpeakerBrain(
+        modules={}, hparams={"label_smoothing": smoothing}, run_opts={"noprogressbar": True}
+    )
+    logits = torch.tensor([[4.0, 0.0, -1.0], [0.5, 2.0, 0.0]])
+    batch = _Batch(torch.tensor([0, 1]))
+    plain = torch.nn.functional.cross_entropy(logits, batch.speakers)
+    smoothed = torch.nn.functional.cross_entropy(logits, batch.speakers, label_smoothing=smoothing)
+    torch.testing.assert_close(brain.compute_objectives(logits, batch, Stage.TRAIN), smoothed)
+    brain.reset_metrics(Stage.VALID)
+    torch.testing.assert_close(brain.compute_objectives(logits, batch, Stage.VALID), plain)
+    assert brain.stage_metrics(Stage.VALID) == {"accuracy": 100.0}

@@ -10,9 +10,11 @@ from recipes.audio_brain import AudioBrain
 
 
 @fwd_default_precision
-def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in fp32 even under autocast."""
-    return torch.nn.functional.cross_entropy(logits, targets)
+def classification_loss(
+    logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """Cross-entropy in fp32 even under autocast (``label_smoothing`` as in torch)."""
+    return torch.nn.functional.cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
 class SpeakerBrain(AudioBrain):
@@ -27,12 +29,19 @@ class SpeakerBrain(AudioBrain):
         return self.modules.model(feats, feat_lens)
 
     def compute_objectives(self, logits: torch.Tensor, batch: AudioBatch, stage: Stage):
-        loss = classification_loss(logits, batch.speakers)
+        # Label smoothing regularises training only; validation/test report plain cross-entropy.
+        smoothing = self.label_smoothing if stage == Stage.TRAIN else 0.0
+        loss = classification_loss(logits, batch.speakers, smoothing)
         if stage != Stage.TRAIN:
             correct = (logits.argmax(dim=-1) == batch.speakers).sum()
             self.correct += int(correct)
             self.total += len(batch)
         return loss
+
+    @property
+    def label_smoothing(self) -> float:
+        """Share of the target probability spread over the other speakers in training."""
+        return float(getattr(self.hparams, "label_smoothing", 0.0) or 0.0)
 
     def reset_metrics(self, stage: Stage) -> None:
         self.correct = self.total = 0
