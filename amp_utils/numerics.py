@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -176,7 +176,26 @@ def _sample(values: torch.Tensor, count: int = HISTOGRAM_SAMPLES) -> torch.Tenso
     return flat[index]
 
 
-class ActivationProbe:
+class _HookedProbe:
+    """A context manager that registers a probe's hooks on enter and removes them on exit.
+
+    Subclasses implement ``_register``: register the hooks, return their handles.
+    """
+
+    def __enter__(self) -> Self:
+        self._handles = self._register()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in getattr(self, "_handles", []):
+            handle.remove()
+        self._handles = []
+
+    def _register(self) -> list[Any]:
+        raise NotImplementedError
+
+
+class ActivationProbe(_HookedProbe):
     """Forward hooks that compare every module under autocast with its fp32 forward.
 
     Use as a context manager around forward passes run under autocast. The fp32
@@ -199,18 +218,13 @@ class ActivationProbe:
         }
         self.samples: dict[str, torch.Tensor] = {}
         self.keep_samples = keep_samples
-        self._handles: list[Any] = []
         self._recomputing = False
 
-    def __enter__(self) -> ActivationProbe:
-        for name, module in self.named.items():
-            self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _register(self) -> list[Any]:
+        return [
+            module.register_forward_hook(self._hook(name), with_kwargs=True)
+            for name, module in self.named.items()
+        ]
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -265,7 +279,7 @@ class ActivationProbe:
         stats.relative_error = max(stats.relative_error, error)
 
 
-class GradientProbe:
+class GradientProbe(_HookedProbe):
     """Post-accumulate-grad hooks that measure each parameter's gradient against fp16.
 
     The gradient a hook sees is ``grad * scale`` when a GradScaler scales the loss
@@ -295,21 +309,16 @@ class GradientProbe:
         self.samples: dict[str, torch.Tensor] = {}
         self.loss_scale = loss_scale
         self.grads_are_scaled = grads_are_scaled
-        self._handles: list[Any] = []
 
     def set_scale(self, loss_scale: float) -> None:
         """The loss scale of the coming backward."""
         self.loss_scale = loss_scale
 
-    def __enter__(self) -> GradientProbe:
-        for name, param in self.parameters.items():
-            self._handles.append(param.register_post_accumulate_grad_hook(self._hook(name)))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _register(self) -> list[Any]:
+        return [
+            param.register_post_accumulate_grad_hook(self._hook(name))
+            for name, param in self.parameters.items()
+        ]
 
     def _hook(self, name: str):
         def hook(param: torch.Tensor) -> None:

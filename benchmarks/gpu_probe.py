@@ -14,9 +14,9 @@ to ``$OUT/probe.jsonl`` as it ends, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from recipes.asr.model import ConformerCTC, ctc_log_probs, ctc_loss  # noqa: E402
 from recipes.frontend import LogMelFeatures  # noqa: E402
+from recipes.step_timing import time_steps  # noqa: E402
 
 DTYPES = {
     "fp32": torch.float32,
@@ -175,47 +176,21 @@ class Setup:
 
 
 def timed(setup: Setup, batches: list, warmup: int, steps: int) -> dict:
-    cuda = setup.device.type == "cuda"
-    t0 = time.perf_counter()
-    for i in range(warmup):
-        setup.step(batches[i % len(batches)])
-    if cuda:
-        torch.cuda.synchronize()
-    warm_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    marks, audio = [], 0.0
-    t0 = time.perf_counter()
-    losses = []
-    for i in range(steps):
-        b = batches[i % len(batches)]
-        audio += b["seconds"]
-        if cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            marks.append(e)
-        else:
-            marks.append(time.perf_counter())
-        losses.append(setup.step(b))
-    if cuda:
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        marks.append(e)
-        torch.cuda.synchronize()
-        per = [a.elapsed_time(c) for a, c in zip(marks, marks[1:], strict=False)]
-    else:
-        marks.append(time.perf_counter())
-        per = [1e3 * (c - a) for a, c in zip(marks, marks[1:], strict=False)]
-    total = time.perf_counter() - t0
-    per.sort()
+    """Step times of ``setup`` over ``batches`` (cycled), as ``recipes.step_timing`` times
+    the recipes' and the peers' steps (CUDA events, no host sync between steps)."""
+
+    def size(b: dict) -> tuple[int, float, tuple[int, ...]]:
+        return b["wavs"].shape[0], b["seconds"], tuple(b["wavs"].shape)
+
+    stats = time_steps(setup.step, itertools.cycle(batches), warmup, steps, setup.device, size)
     return {
-        "warmup_s": round(warm_s, 2),
-        "ms_per_step": round(1e3 * total / steps, 2),
-        "p50_ms": round(statistics.median(per), 2),
-        "p90_ms": round(per[int(0.9 * (len(per) - 1))], 2),
-        "audio_s_per_s": round(audio / total, 1),
-        "peak_mb": round(torch.cuda.max_memory_allocated() / 2**20) if cuda else None,
-        "final_loss": round(float(losses[-1]), 4),
+        "warmup_s": round(stats["warmup_seconds"], 2),
+        "ms_per_step": round(1e3 * stats["seconds"] / steps, 2),
+        "p50_ms": round(stats["p50_step_ms"], 2),
+        "p90_ms": round(stats["p90_step_ms"], 2),
+        "audio_s_per_s": round(stats["audio_seconds"] / stats["seconds"], 1),
+        "peak_mb": round(stats["peak_memory_mb"]) if stats["peak_memory_mb"] else None,
+        "final_loss": round(float(stats["last_output"]), 4),
     }
 
 

@@ -93,8 +93,7 @@ class AudioBrain(Brain):
         """Clear the metric accumulators of ``stage``."""
 
     def on_stage_end(self, stage: Stage, stage_loss: float, epoch: int | None = None) -> None:
-        if stage == Stage.TRAIN:
-            self.train_loss = stage_loss
+        if stage == Stage.TRAIN:  # its mean stays in the ledger (brain.avg_train_loss)
             return
         self._sum_metric_counts_over_ranks()
         metrics = {"loss": stage_loss, **self.stage_metrics(stage)}
@@ -108,7 +107,7 @@ class AudioBrain(Brain):
             "epoch %s: lr %.2e, train loss %.4f, valid %s",
             self.epoch_label(epoch),
             lr,
-            getattr(self, "train_loss", float("nan")),
+            self.avg_train_loss,
             format_metrics(metrics),
         )
         if self.tensorboard is not None:
@@ -116,7 +115,7 @@ class AudioBrain(Brain):
             step = self.ledger.steps_taken
             scalars = {
                 "epoch/number": epoch,
-                "epoch/train_loss": getattr(self, "train_loss", float("nan")),
+                "epoch/train_loss": self.avg_train_loss,
             }
             scalars.update({f"valid/{k}": v for k, v in metrics.items()})
             self.tensorboard.log_scalars(scalars, step=step)

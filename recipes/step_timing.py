@@ -8,6 +8,7 @@ around the measurement; on the CPU the host clock is used.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -19,39 +20,53 @@ from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from data.dataset import AudioBatch
 
 
+def audio_batch_size(batch: AudioBatch) -> tuple[int, float, tuple[int, ...]]:
+    """``(utterances, audio seconds, waveform shape)`` of a batch (seconds 0 if on the GPU:
+    reading them would wait for the device)."""
+    on_host = batch.durations.device.type == "cpu"
+    audio_s = float(batch.durations.sum()) if on_host else 0.0
+    return len(batch), audio_s, tuple(batch.wavs.shape)
+
+
 def time_steps(
-    step: Callable[[AudioBatch], None],
-    batches: Iterator[AudioBatch],
+    step: Callable[[Any], Any],
+    batches: Iterator[Any],
     warmup: int,
     steps: int,
     device: torch.device,
+    size: Callable[[Any], tuple[int, float, tuple[int, ...]]] = audio_batch_size,
 ) -> dict[str, Any]:
     """Run ``warmup`` + ``steps`` steps; per-step seconds and totals of the timed ones.
 
-    ``shapes`` lists the timed batches' waveform shapes (for counting FLOPs afterwards).
+    ``size(batch)`` gives a batch's utterances, audio seconds and shape (``AudioBatch`` by
+    default). The result adds to :func:`step_stats`: ``shapes``, the timed batches' shapes
+    (for counting FLOPs afterwards), ``warmup_seconds`` (compilation and capture included)
+    and ``last_output``, what the last step returned (e.g. its loss).
     """
     cuda = device.type == "cuda"
+    warm_start = time.perf_counter()
     for _ in range(warmup):
         step(next(batches))
     if cuda:
         torch.cuda.synchronize(device)
+    warmup_s = time.perf_counter() - warm_start
     reset_peak_memory(device)
     marks: list[Any] = []
     shapes: list[tuple[int, ...]] = []
-    utterances, audio_s = 0, 0.0
+    utterances, audio_s, output = 0, 0.0, None
     start = time.perf_counter()
     for _ in range(steps):
         batch = next(batches)
-        utterances += len(batch)
-        shapes.append(tuple(batch.wavs.shape))
-        audio_s += float(batch.durations.sum()) if batch.durations.device.type == "cpu" else 0.0
+        count, seconds, shape = size(batch)
+        utterances, audio_s = utterances + count, audio_s + seconds
+        shapes.append(shape)
         if cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             marks.append(event)
         else:
             marks.append(time.perf_counter())
-        step(batch)
+        output = step(batch)
     if cuda:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
@@ -62,7 +77,8 @@ def time_steps(
         marks.append(time.perf_counter())
         per_step = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     total = time.perf_counter() - start
-    return {**step_stats(per_step, total, utterances, audio_s, device), "shapes": shapes}
+    stats = step_stats(per_step, total, utterances, audio_s, device)
+    return {**stats, "shapes": shapes, "warmup_seconds": warmup_s, "last_output": output}
 
 
 def step_stats(
@@ -84,6 +100,6 @@ def step_stats(
         "utterances": utterances,
         "audio_seconds": audio_seconds,
         "p50_step_ms": 1e3 * statistics.median(ordered),
-        "p90_step_ms": 1e3 * ordered[int(0.9 * (steps - 1))],
+        "p90_step_ms": 1e3 * ordered[math.ceil(0.9 * steps) - 1],  # nearest rank
         "peak_memory_mb": peak_memory_mb(device),
     }

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from recipes.benchmarking import PEER_MODES, summarize
 from tests.recipe_helpers import run_cli
@@ -92,3 +93,33 @@ def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
     profile = (out / "profile_loader_bf16.txt").read_text()
     assert "aten op calls" in profile and "aten::" in profile  # the profiler's op table
     assert len(list(out.glob("profile_*.txt"))) == 8
+
+
+def test_step_stats_percentiles_are_nearest_rank():
+    """p90 of two steps is the slower one, never below the median."""
+    from recipes.step_timing import step_stats
+
+    stats = step_stats([0.002, 0.001], 0.003, 8, 4.0, torch.device("cpu"))
+    assert stats["p50_step_ms"] == pytest.approx(1.5) and stats["p90_step_ms"] == pytest.approx(2)
+    stats = step_stats([i / 1e3 for i in range(1, 21)], 0.21, 20, 10.0, torch.device("cpu"))
+    assert stats["p90_step_ms"] == pytest.approx(18.0)  # 18 of 20 steps at or below
+
+
+def test_time_steps_counts_only_the_timed_steps_of_any_batch_kind():
+    """Warm-up steps are not timed or counted; ``size`` reads batches of any kind."""
+    from recipes.step_timing import time_steps
+
+    seen = []
+    batches = iter([{"n": n} for n in range(5)])
+    stats = time_steps(
+        lambda b: seen.append(b["n"]) or b["n"] * 10,
+        batches,
+        warmup=2,
+        steps=3,
+        device=torch.device("cpu"),
+        size=lambda b: (b["n"], 0.5, (b["n"],)),
+    )
+    assert seen == [0, 1, 2, 3, 4]
+    assert stats["steps"] == 3 and stats["utterances"] == 2 + 3 + 4
+    assert stats["audio_seconds"] == 1.5 and stats["shapes"] == [(2,), (3,), (4,)]
+    assert stats["last_output"] == 40 and stats["warmup_seconds"] >= 0
