@@ -29,7 +29,7 @@ def audio_batch_size(batch: AudioBatch) -> tuple[int, float, tuple[int, ...]]:
 
 
 def time_steps(
-    step: Callable[[Any], Any],
+    step: Callable[[Any], object],
     batches: Iterator[Any],
     warmup: int,
     steps: int,
@@ -39,21 +39,18 @@ def time_steps(
     """Run ``warmup`` + ``steps`` steps; per-step seconds and totals of the timed ones.
 
     ``size(batch)`` gives a batch's utterances, audio seconds and shape (``AudioBatch`` by
-    default). The result adds to :func:`step_stats`: ``shapes``, the timed batches' shapes
-    (for counting FLOPs afterwards), ``warmup_seconds`` (compilation and capture included)
-    and ``last_output``, what the last step returned (e.g. its loss).
+    default). The result adds ``shapes`` to :func:`step_stats`: the timed batches' shapes
+    (for counting FLOPs afterwards).
     """
     cuda = device.type == "cuda"
-    warm_start = time.perf_counter()
     for _ in range(warmup):
         step(next(batches))
     if cuda:
         torch.cuda.synchronize(device)
-    warmup_s = time.perf_counter() - warm_start
     reset_peak_memory(device)
     marks: list[Any] = []
     shapes: list[tuple[int, ...]] = []
-    utterances, audio_s, output = 0, 0.0, None
+    utterances, audio_s = 0, 0.0
     start = time.perf_counter()
     for _ in range(steps):
         batch = next(batches)
@@ -66,7 +63,7 @@ def time_steps(
             marks.append(event)
         else:
             marks.append(time.perf_counter())
-        output = step(batch)
+        step(batch)
     if cuda:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
@@ -77,8 +74,7 @@ def time_steps(
         marks.append(time.perf_counter())
         per_step = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     total = time.perf_counter() - start
-    stats = step_stats(per_step, total, utterances, audio_s, device)
-    return {**stats, "shapes": shapes, "warmup_seconds": warmup_s, "last_output": output}
+    return {**step_stats(per_step, total, utterances, audio_s, device), "shapes": shapes}
 
 
 def step_stats(

