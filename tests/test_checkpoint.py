@@ -224,7 +224,7 @@ class Recorder:
 
 def test_checkpoint_name_meta_and_payload_are_what_was_saved(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    fixed_ns = 1_700_000_000_123_456_789
+    fixed_ns = 1_700_000_001_123_456_789  # the name keeps the last 9 digits: 123456789
     monkeypatch.setattr(time, "time_ns", lambda: fixed_ns)
     ckpt = Checkpointer(tmp_path / "a" / "b", {"model": linear(1.0)})  # parents are created
 
@@ -380,10 +380,12 @@ def test_only_rank_zero_writes_and_deletes(tmp_path, monkeypatch):
 
 def test_retention_defaults_predicate_and_num_to_keep_zero(tmp_path):
     ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
-    for cer in [3.0, 1.0, 2.0]:
+    for cer in [1.0, 3.0, 2.0]:
         ckpt.save_and_keep_only(meta={"CER": cer}, num_to_keep=5)
     ckpt.keep_only(min_keys=["CER"])  # defaults: the newest and the one best
     assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [1.0, 2.0]
+    ckpt.save_and_keep_only(meta={"CER": 1.5}, min_keys=["CER"])
+    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [1.0, 1.5]
     ckpt.save_and_keep_only(meta={"CER": 0.5})  # defaults: the newest only
     assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [0.5]
 
