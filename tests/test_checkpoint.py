@@ -384,8 +384,8 @@ def test_retention_defaults_predicate_and_num_to_keep_zero(tmp_path):
         ckpt.save_and_keep_only(meta={"CER": cer}, num_to_keep=5)
     ckpt.keep_only(min_keys=["CER"])  # defaults: the newest and the one best
     assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [1.0, 2.0]
-    ckpt.save_and_keep_only(meta={"CER": 1.5}, min_keys=["CER"])
-    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [1.0, 1.5]
+    ckpt.save_and_keep_only(meta={"CER": 3.0}, min_keys=["CER"])  # num_best=1: not 2.0
+    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [1.0, 3.0]
     ckpt.save_and_keep_only(meta={"CER": 0.5})  # defaults: the newest only
     assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [0.5]
 
