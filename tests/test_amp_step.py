@@ -260,3 +260,190 @@ def test_skip_nonfinite_grads_decides_a_bf16_step_with_a_finite_loss(skip_nonfin
         assert (brain.optimizer_step, brain.skipped_steps) == (2, 0)
         assert all(not torch.isfinite(p).all() for p in brain.modules.parameters())
         assert brain.lr_scheduler.last_epoch == 2
+
+
+# --- AMPOptimizerStep and ScalerState used directly (what Brain drives) --------------------
+# These pin down the parts the Brain tests above never reach: gradient accumulation, a
+# window of several losses, measuring without clipping, no observed loss, no gradients, the
+# device-side skip of fused optimizers, the fp16 loss scale and the scaler's checkpoint.
+
+from amp_utils.amp_step import AMPOptimizerStep, ScalerState, _step_unless  # noqa: E402
+
+
+def direct_step(precision="fp32", max_grad_norm=MAX_GRAD_NORM, skip_nonfinite_grads=False):
+    return AMPOptimizerStep(reference_scaler(precision), max_grad_norm, skip_nonfinite_grads)
+
+
+def mse(model, seed):
+    x, y = make_batch(seed)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_backward_divides_the_loss_by_the_accumulation_factor():
+    model, ref = make_model(), make_model()
+    mse(ref, 1).backward()
+    expected = grads(ref)
+    amp = direct_step()
+
+    amp.backward(mse(model, 1))  # default: no accumulation, the plain gradient
+    for g, e in zip(grads(model), expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
+    model.zero_grad(set_to_none=True)
+    amp.backward(mse(model, 1), accumulation=4)
+    for g, e in zip(grads(model), expected, strict=True):
+        torch.testing.assert_close(g, e / 4, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_a_nonfinite_loss_anywhere_in_the_accumulation_window_skips_the_step(bad_first):
+    model = make_model()
+    opt = adamw("foreach")(model.parameters())
+    before = params(model)
+    amp = direct_step()
+    losses = [torch.tensor(float("nan")), torch.tensor(1.0)]
+    for loss in losses if bad_first else losses[::-1]:
+        amp.observe_loss(loss)
+    amp.backward(mse(model, 1))
+
+    info = amp.step([opt])
+
+    assert bool(info.skipped)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before, strict=True))
+    # The window starts afresh after a step: two finite losses do not skip.
+    amp.observe_loss(torch.tensor(1.0))
+    amp.observe_loss(torch.tensor(2.0))
+    amp.backward(mse(model, 1))
+    assert not bool(amp.step([opt]).skipped)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_step_without_observed_loss_applies_and_returns_a_bool_scalar_flag(impl):
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    opt = adamw(impl)(model.parameters())
+    amp = direct_step(skip_nonfinite_grads=True)
+    amp.backward(mse(model, 1))
+
+    info = amp.step([opt])  # observe_loss never called: nothing says skip
+
+    assert info.skipped.dtype == torch.bool and info.skipped.shape == ()
+    assert not bool(info.skipped)
+    ref_opt = adamw(impl)(ref_model.parameters())
+    mse(ref_model, 1).backward()
+    torch.nn.utils.clip_grad_norm_(ref_model.parameters(), MAX_GRAD_NORM)
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+    assert all(p.grad is None for p in model.parameters())  # zeroed with set_to_none
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, -1.0])
+def test_max_grad_norm_of_zero_or_less_measures_without_clipping(max_grad_norm):
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = sgd("foreach")(model.parameters()), sgd("foreach")(ref_model.parameters())
+    amp = direct_step(max_grad_norm=max_grad_norm)
+    amp.observe_loss(torch.tensor(1.0))
+    amp.backward(mse(model, 1))
+
+    info = amp.step([opt])
+
+    mse(ref_model, 1).backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref_model.parameters()])
+    ref_opt.step()
+    assert ref_norm > 2 * MAX_GRAD_NORM  # clipping would have changed the update
+    assert info.grad_norm.item() == pytest.approx(ref_norm.item(), rel=RTOL)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_step_with_no_gradient_or_no_optimizer_returns_none():
+    model = make_model()
+    opt = adamw("foreach")(model.parameters())
+    amp = direct_step()
+    assert amp.step([]) is None
+    assert amp.step([opt]) is None  # nothing has a gradient yet: nothing to step, no error
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_fused_optimizer_skips_on_the_device_through_found_inf(skip):
+    """A fused optimizer always runs its kernel: ``found_inf`` (not a host sync) skips it."""
+    model = make_model()
+    opt = adamw("fused")(model.parameters())
+    assert opt._step_supports_amp_scaling
+    mse(model, 1).backward()
+    before = params(model)
+    seen = []
+    real_step = opt.step
+
+    def spy_step(*args, **kwargs):
+        seen.append((opt.grad_scale, opt.found_inf.clone()))
+        return real_step(*args, **kwargs)
+
+    opt.step = spy_step
+
+    _step_unless(opt, torch.tensor(skip))
+
+    assert len(seen) == 1  # the kernel ran, even when skipping
+    grad_scale, found_inf = seen[0]
+    assert grad_scale is None
+    assert found_inf.dtype == torch.float32 and found_inf.item() == float(skip)
+    after = model.parameters()
+    moved = [not torch.equal(p.detach(), q) for p, q in zip(after, before, strict=True)]
+    assert all(moved) if not skip else not any(moved)
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_loss_scale_is_the_fp16_scale_and_none_otherwise(precision):
+    amp = direct_step(precision)
+    amp.scaler.scale(torch.tensor(1.0))  # the scaler makes its scale tensor lazily
+    scale = amp.loss_scale()
+    if precision == "fp16":
+        assert isinstance(scale, torch.Tensor) and scale.item() == INIT_SCALE
+    else:
+        assert scale is None
+
+
+def saved_scaler(precision: str) -> torch.amp.GradScaler:
+    """A scaler whose loss scale (fp16) differs from a fresh one's."""
+    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE / 8, enabled=precision == "fp16")
+
+
+def test_scaler_state_round_trips_the_fp16_loss_scale(caplog):
+    source = saved_scaler("fp16")
+    state = ScalerState(source).state_dict()
+    assert state["enabled"] is True and state["state"]["scale"] == INIT_SCALE / 8
+
+    target = reference_scaler("fp16")
+    ScalerState(target).load_state_dict(state)
+
+    assert target.get_scale() == INIT_SCALE / 8
+    assert "Precision changed" not in caplog.text
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("fp16", "bf16"), ("bf16", "fp16")])
+def test_scaler_state_of_another_precision_is_dropped_with_a_warning(saved, resumed, caplog):
+    source = saved_scaler(saved)
+    state = ScalerState(source).state_dict()
+    assert state["enabled"] is (saved == "fp16")
+    target = reference_scaler(resumed)
+
+    ScalerState(target).load_state_dict(state)
+
+    if resumed == "fp16":
+        assert target.get_scale() == INIT_SCALE  # fresh, not the saved (absent) one
+    assert (
+        "Precision changed since the checkpoint: the fp16 loss scaler state is dropped "
+        "and a fresh one is used." in caplog.messages
+    )
+
+
+def test_scaler_state_of_the_same_disabled_precision_loads_silently(caplog):
+    state = ScalerState(reference_scaler("bf16")).state_dict()
+    ScalerState(reference_scaler("fp32")).load_state_dict(state)
+    assert caplog.messages == []

@@ -193,3 +193,339 @@ def test_best_checkpoints_are_ranked_and_averaged(tmp_path):
         ckpt.load_averaged([], ["model"])
     with pytest.raises(CheckpointError, match="Cannot average 'optimizer'"):
         ckpt.load_averaged(best, ["optimizer"])
+
+
+# --- What the tests above left open (found by mutation testing, docs/mutation_testing.md) ---
+
+import logging  # noqa: E402
+import pickle  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import amp_utils.checkpoint as checkpoint_module  # noqa: E402
+from amp_utils.checkpoint import average_state_dicts, read_state  # noqa: E402
+
+LOGGER = "amp_utils.checkpoint"
+
+
+class Recorder:
+    """A recoverable that keeps what it was given (any value, any device)."""
+
+    def __init__(self, state=None) -> None:
+        self.state = state if state is not None else {"w": torch.ones(2)}
+        self.loaded = None
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_checkpoint_name_meta_and_payload_are_what_was_saved(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    fixed_ns = 1_700_000_001_123_456_789  # the name keeps the last 9 digits: 123456789
+    monkeypatch.setattr(time, "time_ns", lambda: fixed_ns)
+    ckpt = Checkpointer(tmp_path / "a" / "b", {"model": linear(1.0)})  # parents are created
+
+    saved = ckpt.save_checkpoint(meta={"CER": 3.5, "where": Path("x/y")})
+
+    stamp = time.strftime("%Y-%m-%d+%H-%M-%S", time.localtime(fixed_ns // 10**9))
+    assert saved.path == tmp_path / "a" / "b" / f"CKPT+{stamp}+123456789"
+    assert saved.end_of_epoch  # the default
+    on_disk = json.loads((saved.path / "meta.json").read_text())
+    assert saved.meta.keys() == on_disk.keys() and saved.meta["CER"] == 3.5
+    assert on_disk["CER"] == 3.5 and on_disk["where"] == "x/y"  # non-JSON values as str
+    assert on_disk["end_of_epoch"] is True and on_disk["recoverables"] == ["model"]
+    assert on_disk["state_bytes"] == (saved.path / "state.pt").stat().st_size
+    assert isinstance(on_disk["unixtime"], float)
+    payload = read_state(saved.path / "state.pt")  # default map_location: the CPU
+    assert payload["format"] == 1 and set(payload["state"]) == {"model"}
+    assert f"Saved checkpoint {saved.path}" in caplog.messages
+
+
+def test_mid_epoch_checkpoints_are_marked_and_left_out_of_the_best(tmp_path):
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    ckpt.save_and_keep_only(meta={"CER": 5.0}, num_to_keep=5)
+    ckpt.save_and_keep_only(meta={"CER": 1.0}, end_of_epoch=False, num_to_keep=5)
+    listed = ckpt.list_checkpoints()
+    assert [c.end_of_epoch for c in listed] == [True, False]
+    assert [c.meta["CER"] for c in ckpt.find_best_checkpoints(5, min_key="CER")] == [5.0]
+
+
+def test_checkpoints_are_listed_in_save_order_even_when_names_are_not(tmp_path, monkeypatch):
+    """A clock set back (DST, NTP) gives a later checkpoint an earlier name."""
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    for name_ns, unix in [(2_000_000_000 * 10**9, 100.0), (1_000_000_000 * 10**9, 200.0)]:
+        monkeypatch.setattr(time, "time_ns", lambda ns=name_ns: ns)
+        monkeypatch.setattr(time, "time", lambda t=unix: t)
+        ckpt.save_checkpoint(meta={"unix": unix})
+    assert [c.meta["unix"] for c in ckpt.list_checkpoints()] == [100.0, 200.0]
+    assert ckpt.find_checkpoint().meta["unix"] == 200.0
+    # A checkpoint without a recorded time (hand-made) sorts first.
+    old = ckpt.list_checkpoints()[1].path / "meta.json"
+    meta = json.loads(old.read_text())
+    del meta["unixtime"]
+    old.write_text(json.dumps(meta))
+    assert [c.meta["unix"] for c in ckpt.list_checkpoints()] == [200.0, 100.0]
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [("bitflip", "checksum mismatch"), ("truncate", r"size \d+ != recorded \d+")],
+)
+def test_skipped_checkpoint_warning_names_it_and_the_reason(tmp_path, damage, reason, caplog):
+    _, second = saved_pair(tmp_path)
+    state = second.path / "state.pt"
+    data = bytearray(state.read_bytes())
+    if damage == "bitflip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    state.write_bytes(bytes(data))
+    Checkpointer(tmp_path).list_checkpoints()
+    pattern = f"^Skipping unreadable checkpoint {re.escape(str(second.path))} \\({reason}\\)$"
+    assert any(re.match(pattern, m) for m in caplog.messages), caplog.messages
+
+
+def test_find_checkpoint_by_min_and_max_key_else_the_latest(tmp_path):
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    for cer in [4.0, 1.0, 3.0, 2.0]:
+        ckpt.save_checkpoint(meta={"CER": cer})
+    assert ckpt.find_checkpoint(min_key="CER").meta["CER"] == 1.0
+    assert ckpt.find_checkpoint(max_key="CER").meta["CER"] == 4.0
+    assert ckpt.find_checkpoint(min_key="WER").meta["CER"] == 2.0  # not recorded: latest
+    assert ckpt.find_checkpoint(max_key="WER").meta["CER"] == 2.0
+    best = ckpt.find_best_checkpoints(3, max_key="CER")
+    assert [c.meta["CER"] for c in best] == [4.0, 3.0, 2.0]
+    assert ckpt.find_best_checkpoints(2, max_key="WER") == ckpt.list_checkpoints()[::-1][:2]
+
+
+@pytest.mark.parametrize(("key", "expected"), [("min_key", 1.0), ("max_key", 4.0)])
+def test_recover_if_possible_loads_the_best_by_key(tmp_path, key, expected):
+    model = linear(0.0)
+    ckpt = Checkpointer(tmp_path, {"model": model})
+    for cer in [4.0, 1.0, 3.0]:
+        with torch.no_grad():
+            model.weight.fill_(cer)
+        ckpt.save_checkpoint(meta={"CER": cer})
+    target = linear(0.0)
+    found = Checkpointer(tmp_path, {"model": target}).recover_if_possible(**{key: "CER"})
+    assert found.meta["CER"] == expected
+    assert torch.all(target.weight == expected)
+
+
+def test_map_location_reaches_torch_load(tmp_path, caplog):
+    """Tensors are loaded where asked (``meta`` here: no real device needed)."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    Checkpointer(tmp_path, {"model": Recorder()}).save_checkpoint()
+    recorder = Recorder()
+    ckpt = Checkpointer(tmp_path, {"model": recorder})
+    assert read_state(ckpt.find_checkpoint().path / "state.pt", "meta")["state"]["model"][
+        "w"
+    ].is_meta
+    found = ckpt.recover_if_possible(map_location="meta")
+    assert recorder.loaded["w"].is_meta
+    assert f"Loaded checkpoint {found.path}" in caplog.messages
+    ckpt.load_checkpoint(found)  # default: the CPU
+    assert recorder.loaded["w"].device == torch.device("cpu")
+    ckpt.load_averaged([found], ["model"], map_location="meta")
+    assert recorder.loaded["w"].is_meta
+
+
+def test_partial_and_optional_recoverables(tmp_path):
+    Checkpointer(tmp_path, {"model": linear(1.0)}).save_checkpoint()
+    extra, model = Recorder(), linear(0.0)
+    partial = Checkpointer(tmp_path, {"extra": extra, "model": model}, allow_partial_load=True)
+    partial.recover_if_possible()
+    assert torch.all(model.weight == 1.0) and extra.loaded is None  # the missing one is skipped
+    ckpt = Checkpointer(tmp_path, {"model": linear(0.0)})
+    ckpt.add_recoverable("accounting", Recorder(), optional=True)
+    ckpt.recover_if_possible()  # an optional recoverable may be missing
+    ckpt.add_recoverable("accounting", Recorder())  # registered again, now required
+    with pytest.raises(CheckpointError, match=r"no state for \['accounting'\]"):
+        ckpt.recover_if_possible()
+
+
+def test_recoverable_needs_both_state_methods():
+    class SaveOnly:
+        def state_dict(self):
+            return {}
+
+    with pytest.raises(TypeError, match="Recoverable 'x' has no state_dict/load_state_dict"):
+        Checkpointer(".", {"x": SaveOnly()})
+
+
+def test_nonfinite_values_in_nested_lists_are_refused_plain_values_are_fine(tmp_path):
+    plain = Recorder({"step": 3, "name": "run", "history": [1.0, torch.tensor(2.0), (4, "a")]})
+    assert Checkpointer(tmp_path, {"loop": plain}).save_checkpoint() is not None
+    bad = Recorder({"history": [torch.tensor(1.0), (torch.tensor(float("inf")),)]})
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(tmp_path, {"loop": bad}).save_checkpoint()
+    assert str(err.value) == (
+        "Refusing to save a checkpoint: 'loop' holds non-finite values (NaN/Inf). The previous "
+        "checkpoints are kept; lower the learning rate or use bf16 instead of fp16."
+    )
+
+
+def test_only_rank_zero_writes_and_deletes(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    ckpt.save_checkpoint()
+    ckpt.save_checkpoint()
+    monkeypatch.setattr(checkpoint_module, "is_main_process", lambda: False)
+    assert ckpt.save_checkpoint() is None
+    ckpt.keep_only(num_to_keep=1)
+    assert len(ckpt.list_checkpoints()) == 2  # rank 0 saves and deletes; others only wait
+
+
+def test_retention_defaults_predicate_and_num_to_keep_zero(tmp_path):
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    for cer in [1.0, 3.0, 2.0]:
+        ckpt.save_and_keep_only(meta={"CER": cer}, num_to_keep=5)
+    ckpt.keep_only(min_keys=["CER"])  # defaults: the newest and the one best
+    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [1.0, 2.0]
+    ckpt.save_and_keep_only(meta={"CER": 3.0}, min_keys=["CER"])  # num_best=1: not 2.0
+    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [1.0, 3.0]
+    ckpt.save_and_keep_only(meta={"CER": 0.5})  # defaults: the newest only
+    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [0.5]
+
+    for cer in [3.0, 4.0]:
+        ckpt.save_checkpoint(meta={"CER": cer}, end_of_epoch=False)
+    ckpt.save_and_keep_only(
+        meta={"CER": 5.0}, num_to_keep=1, predicate=lambda c: not c.end_of_epoch
+    )  # only mid-epoch checkpoints may go: the end-of-epoch ones stay
+    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [0.5, 4.0, 5.0]
+    ckpt.keep_only(num_to_keep=0, min_keys=["CER"])  # none by age, the best by CER
+    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [0.5]
+
+
+def test_retention_deletes_corrupt_and_half_written_leftovers(tmp_path):
+    first, _ = saved_pair(tmp_path)
+    state = first.path / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01  # corrupt but of the recorded size: found by hashing only
+    state.write_bytes(bytes(data))
+    (tmp_path / ".tmp-CKPT+half-written").mkdir()
+    (tmp_path / ".tmp-deleted-CKPT+old").mkdir()
+    ckpt = Checkpointer(tmp_path)
+    ckpt.keep_only(num_to_keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.list_checkpoints()[0].path.name]
+    assert not first.path.exists()
+
+
+def test_failing_temporary_folder_gives_a_checkpoint_error(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    ckpt.save_checkpoint()
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.name.startswith(".tmp-"):
+            raise OSError(errno.EACCES, "Permission denied")
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save_checkpoint()
+    assert "Permission denied" in str(err.value)
+    assert str(err.value).endswith(
+        "Earlier checkpoints are intact; free disk space or choose another output folder."
+    )
+    assert len(ckpt.list_checkpoints()) == 1
+
+
+def test_unwritable_folder_message_says_what_to_do(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(blocker / "ckpts", {"m": linear(1.0)}).save_checkpoint()
+    assert str(err.value).endswith("Point the run at a writable folder (hydra.run.dir=PATH).")
+
+
+def test_load_errors_say_what_is_wrong_on_one_line(tmp_path):
+    Checkpointer(tmp_path, {"model": torch.nn.Linear(2, 2)}).save_checkpoint()
+    saved = torch.load(next(tmp_path.glob("CKPT+*")) / "state.pt", weights_only=True)
+    other = torch.nn.Linear(3, 5)
+    with pytest.raises(RuntimeError) as torch_err:
+        other.load_state_dict(saved["state"]["model"])
+    detail = " ".join(str(torch_err.value).split())[:300]
+    assert len(str(torch_err.value)) > 300  # the detail is cut
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(tmp_path, {"model": other}).recover_if_possible()
+    assert str(err.value).endswith(
+        "different model or configuration; use a fresh run folder or the matching config. "
+        f"({detail})"
+    )
+    missing = Checkpointer(tmp_path, {"model": torch.nn.Linear(2, 2), "extra": linear(1.0)})
+    with pytest.raises(CheckpointError) as err:
+        missing.recover_if_possible()
+    assert str(err.value).endswith(
+        "it was written by a different recipe. Start a fresh run folder or point at the right "
+        "checkpoint."
+    )
+
+
+def test_unreadable_state_error_is_one_line_with_a_bounded_detail(tmp_path, monkeypatch):
+    saved = Checkpointer(tmp_path, {"model": linear(1.0)}).save_checkpoint()
+    path = tmp_path / "state.pt"
+    path.write_bytes((saved.path / "state.pt").read_bytes()[:100])  # truncated
+    with pytest.raises(CheckpointError) as err:
+        read_state(path)
+    try:
+        torch.load(path, weights_only=True)
+    except Exception as torch_err:  # noqa: BLE001
+        expected = " ".join(str(torch_err).split())[:300]
+    assert str(err.value) == f"Cannot read checkpoint {path}: {expected}"
+
+    def long_error(*args, **kwargs):
+        raise RuntimeError("word\n" * 100)
+
+    monkeypatch.setattr(torch, "load", long_error)
+    with pytest.raises(CheckpointError) as err:
+        read_state(path)
+    assert str(err.value) == f"Cannot read checkpoint {path}: {('word ' * 60)[:300]}"
+
+
+def test_refused_pickle_message_without_a_named_global(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise pickle.UnpicklingError("Weights only load failed for some other reason")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(CheckpointError) as err:
+        read_state(tmp_path / "state.pt")
+    assert str(err.value) == (
+        f"Refused to load {tmp_path / 'state.pt'}: it would import Python objects, and "
+        "checkpoints may hold only tensors and plain data (loaded with weights_only=True, "
+        "nothing was run). Only use run folders you trust, or delete this checkpoint."
+    )
+
+
+def test_averaging_errors_and_log(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0), "other": Recorder()})
+    first = ckpt.save_checkpoint()
+    ckpt.recoverables.pop("other")
+    with pytest.raises(CheckpointError) as err:  # in the checkpoint, not registered
+        ckpt.load_averaged([first], ["model", "other"])
+    assert str(err.value) == "Cannot average 'other': missing from the recoverables."
+    second = ckpt.save_checkpoint()  # without "other"
+    ckpt.add_recoverable("other", Recorder())
+    with pytest.raises(CheckpointError) as err:  # registered, not in every checkpoint
+        ckpt.load_averaged([first, second], ["other"])
+    assert str(err.value) == f"Cannot average 'other': missing from ['{second.path.name}']."
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_averaged([], ["model"])
+    assert str(err.value) == "No checkpoint to average: train at least one epoch first."
+    ckpt.load_averaged([first, second], ["model"])
+    assert (
+        f"Loaded the average of 2 checkpoints: {first.path.name}, {second.path.name}"
+        in caplog.messages
+    )
+
+
+def test_average_is_taken_in_float64_and_keeps_the_dtype():
+    big = torch.full((3,), 60000.0, dtype=torch.float16)  # fp16 sums would overflow
+    states = [{"w": big, "n": torch.tensor(1)}, {"w": big, "n": torch.tensor(2)}] * 2
+    averaged = average_state_dicts(states)
+    assert averaged["w"].dtype == torch.float16
+    assert torch.equal(averaged["w"], big)
+    assert averaged["n"] is states[0]["n"]
