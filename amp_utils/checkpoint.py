@@ -28,6 +28,7 @@ import pickle
 import re
 import shutil
 import time
+import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,12 @@ def read_state(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         CheckpointError: one line, if the file holds anything but tensors and plain data
             (a pickle that would import or call a Python object), or cannot be read.
     """
+    if Path(path).is_file() and not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"Cannot read checkpoint {path}: it is not a PyTorch checkpoint (torch.save "
+            "writes a zip archive; this file is not one: truncated, or another file). "
+            "Delete this checkpoint folder to resume from an older one."
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
