@@ -13,6 +13,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -207,6 +208,110 @@ def test_sigterm_under_torchrun_saves_once_and_resumes(data_args, tmp_path):
     log = (run_dir / "train.log").read_text()
     assert f"{step} batches into the epoch" in log
     assert results(run_dir)["epochs"] == epoch + 1
+
+
+#: A tiny model, so that the interrupted runs below take seconds.
+TINY = [
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.ffn_dim=64",
+    "trainer.epochs=2",
+    "trainer.ckpt_interval_minutes=0",
+    "trainer.log_interval_steps=2",  # ranks decide jointly (and stop) every 2 steps
+]
+RESUMED = re.compile(r"Resumed from \S+ \(optimizer step (\d+), (\d+) batches into the epoch\)")
+
+
+def sigterm_in_epoch_2(args: list[str], run_dir: Path) -> dict:
+    """Start a 2-process run, SIGTERM it once epoch 1 is checkpointed; returns the state of
+    the mid-epoch checkpoint both ranks saved."""
+    proc = subprocess.Popen(
+        recipe_command("train.py", [*args, f"hydra.run.dir={run_dir}"], nproc=2),
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while not list((run_dir / "checkpoints").glob("CKPT+*")):  # end of epoch 1
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode != 0, "the run ended before the signal stopped it: " + output[-2000:]
+    [mid_epoch] = [
+        c
+        for c in Checkpointer(run_dir / "checkpoints").list_checkpoints()
+        if c.meta.get("intra_epoch")
+    ]
+    state = read_state(mid_epoch.path / "state.pt")["state"]
+    assert state["epoch_counter"]["current"] == 2 and state["brain"]["world_size"] == 2
+    assert state["brain"]["step"] > 0, "stopped at the end of an epoch, not inside one"
+    return state
+
+
+@pytest.fixture(scope="module")
+def interrupted(data_args, tmp_path_factory) -> dict:
+    """An uninterrupted 2-process run and the same run SIGTERMed inside epoch 2."""
+    root = tmp_path_factory.mktemp("ddp_interrupted")
+    args = [*COMMON, *data_args, *TINY]
+    run_train([*args, f"hydra.run.dir={root / 'reference'}"], nproc=2)
+    state = sigterm_in_epoch_2(args, root / "stopped")
+    return {"args": args, "root": root, "state": state}
+
+
+def resume_copy(interrupted: dict, name: str) -> Path:
+    """A copy of the stopped run's folder (each test resumes its own)."""
+    run_dir = interrupted["root"] / name
+    shutil.copytree(interrupted["root"] / "stopped", run_dir)
+    return run_dir
+
+
+def test_ddp_run_stopped_mid_epoch_resumes_bitwise_under_the_same_world_size(interrupted):
+    run_dir = resume_copy(interrupted, "resumed_ddp")
+    run_train([*interrupted["args"], f"hydra.run.dir={run_dir}"], nproc=2)
+    step = interrupted["state"]["brain"]["step"]
+    resumes = RESUMED.findall((run_dir / "train.log").read_text())
+    assert [int(batches) for _, batches in resumes] == [step]  # per-rank batches, W=2
+    expected, got = latest_state(interrupted["root"] / "reference"), latest_state(run_dir)
+    assert got["brain"]["optimizer_step"] == expected["brain"]["optimizer_step"]
+    assert got["lr_scheduler"] == expected["lr_scheduler"]
+    lrs = [s["optimizer"]["param_groups"][0]["lr"] for s in (expected, got)]
+    assert lrs[0] == lrs[1]
+    for module in ("module.model", "module.features"):
+        for key, value in expected[module].items():
+            assert torch.equal(value, got[module][key]), f"{module}.{key}"
+    for index, moments in expected["optimizer"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, got["optimizer"]["state"][index][key]), (index, key)
+    ref, res = results(interrupted["root"] / "reference"), results(run_dir)
+    assert res["world_size"] == 2
+    for key in ("optimizer_steps", "valid_metrics", "test_metrics"):
+        assert res[key] == ref[key], key
+
+
+def test_ddp_run_stopped_mid_epoch_resumes_in_one_process_without_losing_a_batch(
+    interrupted,
+):
+    """World size 2 -> 1 inside an epoch: after k batches per rank the first 2k batches of
+    the epoch's list are done (brain.load_state_dict), so one process goes on at batch 2k.
+    Accumulating 2 batches per step it is the same training as the DDP run (up to
+    summation order): a batch skipped or trained twice changes the step count and weights."""
+    run_dir = resume_copy(interrupted, "resumed_single")
+    args = [*interrupted["args"], "trainer.grad_accumulation_factor=2"]
+    run_train([*args, f"hydra.run.dir={run_dir}"], nproc=1)
+    step = interrupted["state"]["brain"]["step"]
+    resumes = RESUMED.findall((run_dir / "train.log").read_text())
+    assert [int(batches) for _, batches in resumes] == [2 * step]  # batches of the epoch
+    expected, got = latest_state(interrupted["root"] / "reference"), latest_state(run_dir)
+    assert got["brain"]["world_size"] == 1
+    assert got["brain"]["optimizer_step"] == expected["brain"]["optimizer_step"]
+    assert got["lr_scheduler"]["last_epoch"] == expected["lr_scheduler"]["last_epoch"]
+    for name, weight in expected["module.model"].items():
+        torch.testing.assert_close(got["module.model"][name], weight, rtol=0, atol=TOLERANCE)
+    ref, res = results(interrupted["root"] / "reference"), results(run_dir)
+    assert res["world_size"] == 1 and res["optimizer_steps"] == ref["optimizer_steps"]
 
 
 @pytest.mark.gpu
