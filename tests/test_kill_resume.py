@@ -71,9 +71,7 @@ class Scenario:
     @property
     def name(self) -> str:
         epochs = "+".join(str(epoch) for epoch, _, _ in self.kills)
-        return (
-            f"seed{self.seed}-{self.model}-{self.precision}-{self.trigger}-kill@epoch{epochs}"
-        )
+        return f"seed{self.seed}-{self.model}-{self.precision}-{self.trigger}-kill@epoch{epochs}"
 
 
 def draw(

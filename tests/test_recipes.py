@@ -20,10 +20,10 @@ from amp_utils.run_results import RunResults
 from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
 from data.text import CharTokenizer
+from recipes import experiment
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
 from recipes.data_setup import build_data
-from recipes import experiment
 from recipes.experiment import tensorboard_hparams, train
 from recipes.inference import load_trained
 from tests.recipe_helpers import FAST, compose_config, manifest_config, run_cli
