@@ -41,7 +41,7 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio variant creates a second loa
 
 from amp_utils.amp_step import AMPOptimizerStep, ScalerState
 from amp_utils.autocast import AMPConfig, TorchAutocast
-from amp_utils.checkpoint import Checkpoint, Checkpointer
+from amp_utils.checkpoint import Checkpoint, Checkpointer, CheckpointError
 from amp_utils.compile import compile_modules
 from amp_utils.distributed import (
     all_reduce_counts,
@@ -682,9 +682,21 @@ class Brain:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved."""
         # Rank r trains batches r, r + W, ... of the epoch's batch list: after k batches
-        # per rank, the first k * W are done, whatever the new world size is.
-        done = int(state["step"]) * int(state.get("world_size", 1))
-        self._resume_step = done // self.distributed.world_size
+        # per rank, the first k * W are done. A new world size W' goes on from there when
+        # W' divides k * W; otherwise it would train a batch twice (or skip one): refused.
+        saved_world_size = int(state.get("world_size", 1))
+        done = int(state["step"]) * saved_world_size
+        world_size = self.distributed.world_size
+        if done % world_size:
+            raise CheckpointError(
+                f"The mid-epoch checkpoint was saved after {done} batches of its epoch by "
+                f"{saved_world_size} process(es); {world_size} processes cannot go on from "
+                f"there without training a batch twice or skipping one ({done} is not a "
+                f"multiple of {world_size}). Resume it with {saved_world_size} process(es) "
+                "(or a number that divides the batches done); the world size may change "
+                "at an epoch end."
+            )
+        self._resume_step = done // world_size
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.ledger.train_loss = RunningMean(

@@ -314,6 +314,41 @@ def test_ddp_run_stopped_mid_epoch_resumes_in_one_process_without_losing_a_batch
     assert res["world_size"] == 1 and res["optimizer_steps"] == ref["optimizer_steps"]
 
 
+def test_mid_epoch_position_two_ranks_cannot_continue_from_is_refused(data_args, tmp_path):
+    """World size 1 -> 2 after an odd number of batches: two ranks can only go on from an
+    even batch, so one batch would be trained twice (or skipped). The resume is refused,
+    with one line (per rank) that says what to do, and nothing is trained."""
+    run_dir = tmp_path / "run"
+    args = [
+        *COMMON,
+        *data_args,
+        *(arg for arg in TINY if not arg.startswith("trainer.epochs=")),
+        "trainer.epochs=1",
+        "trainer.ckpt_interval_steps=2",  # optimizer steps are read back one batch late
+        f"hydra.run.dir={run_dir}",
+    ]
+    run_train(args, nproc=1)
+    # As if the run had been killed after its last mid-epoch checkpoint.
+    (run_dir / "results.json").unlink()
+    ckpts = Checkpointer(run_dir / "checkpoints").list_checkpoints()
+    for ckpt in ckpts:
+        if ckpt.end_of_epoch:
+            shutil.rmtree(ckpt.path)
+    [mid_epoch] = [c for c in ckpts if not c.end_of_epoch]
+    state = read_state(mid_epoch.path / "state.pt")["state"]
+    batches = state["brain"]["step"]
+    assert state["brain"]["world_size"] == 1 and batches % 2 == 1, batches
+
+    result = run_train(args, nproc=2, ok=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    message = f"error: The mid-epoch checkpoint was saved after {batches} batches"
+    assert output.count(message) == 2, output[-3000:]
+    assert "CheckpointError" not in output, output[-3000:]  # no traceback of ours
+    assert not (run_dir / "results.json").exists()
+    assert Checkpointer(run_dir / "checkpoints").list_checkpoints() == [mid_epoch]
+
+
 @pytest.mark.gpu
 def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
     """The nccl path: as many ranks as GPUs (a 1-GPU machine runs DDP with world size 1)."""
