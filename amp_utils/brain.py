@@ -677,6 +677,13 @@ class Brain:
             "train_stats": train_stats,
             "rng": capture_rng_state(),
         }
+        if self.distributed.world_size > 1:
+            # Each rank's generators drew for its own batches (dropout, SpecAugment), so
+            # each rank needs its own state back; every rank calls this (the checkpointer
+            # collects the states on all ranks and rank 0 writes them).
+            rank_rng: list[Any] = [None] * self.distributed.world_size
+            torch.distributed.all_gather_object(rank_rng, state["rng"])
+            state["rank_rng"] = rank_rng
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -707,7 +714,11 @@ class Brain:
             logger.warning(
                 "Resuming a %s checkpoint with precision=%s.", state["precision"], self.amp.name
             )
-        restore_rng_state(state["rng"])
+        rank_rng = state.get("rank_rng")
+        if rank_rng is not None and len(rank_rng) == world_size:
+            restore_rng_state(rank_rng[self.distributed.rank])
+        else:  # a single-process checkpoint, or another world size: rank 0's generators
+            restore_rng_state(state["rng"])
 
     def global_train_stats(self) -> dict[str, float]:
         """Training time, utterances and audio seconds of all ranks together.

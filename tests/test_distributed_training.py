@@ -251,14 +251,26 @@ def sigterm_in_epoch_2(args: list[str], run_dir: Path) -> dict:
     return state
 
 
-@pytest.fixture(scope="module")
-def interrupted(data_args, tmp_path_factory) -> dict:
+def stop_and_reference(root: Path, args: list[str]) -> dict:
     """An uninterrupted 2-process run and the same run SIGTERMed inside epoch 2."""
-    root = tmp_path_factory.mktemp("ddp_interrupted")
-    args = [*COMMON, *data_args, *TINY]
     run_train([*args, f"hydra.run.dir={root / 'reference'}"], nproc=2)
     state = sigterm_in_epoch_2(args, root / "stopped")
     return {"args": args, "root": root, "state": state}
+
+
+@pytest.fixture(scope="module")
+def interrupted(data_args, tmp_path_factory) -> dict:
+    """Deterministic training (DDP equals one process accumulating 2 batches)."""
+    root = tmp_path_factory.mktemp("ddp_interrupted")
+    return stop_and_reference(root, [*COMMON, *data_args, *TINY])
+
+
+@pytest.fixture(scope="module")
+def interrupted_noisy(data_args, tmp_path_factory) -> dict:
+    """Dropout and SpecAugment on, as users train: each rank draws its own random numbers."""
+    root = tmp_path_factory.mktemp("ddp_interrupted_noisy")
+    common = [a for a in COMMON if not a.startswith(("model.dropout", "data.spec_augment"))]
+    return stop_and_reference(root, [*common, *data_args, *TINY])
 
 
 def resume_copy(interrupted: dict, name: str) -> Path:
@@ -268,7 +280,11 @@ def resume_copy(interrupted: dict, name: str) -> Path:
     return run_dir
 
 
-def test_ddp_run_stopped_mid_epoch_resumes_bitwise_under_the_same_world_size(interrupted):
+def test_ddp_run_stopped_mid_epoch_resumes_bitwise_under_the_same_world_size(
+    interrupted_noisy,
+):
+    """Every rank gets its own RNG state back (dropout and SpecAugment replay exactly)."""
+    interrupted = interrupted_noisy
     run_dir = resume_copy(interrupted, "resumed_ddp")
     run_train([*interrupted["args"], f"hydra.run.dir={run_dir}"], nproc=2)
     step = interrupted["state"]["brain"]["step"]
