@@ -489,6 +489,25 @@ def test_brain_checkpoint_restores_rng(tmp_path):
     assert brain.optimizer_step == 0
 
 
+def test_each_ddp_rank_gets_its_own_rng_state_back():
+    """A DDP checkpoint holds every rank's generators (their dropout and SpecAugment drew
+    for different batches); rank r restores its own, not rank 0's."""
+    from amp_utils.distributed import DistributedInfo
+    from amp_utils.rng_state import capture_rng_state
+
+    brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    state = brain.state_dict()
+    assert "rank_rng" not in state  # one process: its own state is "rng"
+    torch.manual_seed(11)
+    rank1 = capture_rng_state()
+    expected = torch.rand(3)
+    torch.manual_seed(10)
+    rank0 = capture_rng_state()
+    brain.distributed = DistributedInfo(world_size=2, rank=1, backend="gloo")
+    brain.load_state_dict({**state, "world_size": 2, "rng": rank0, "rank_rng": [rank0, rank1]})
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_evaluate_loads_best_checkpoint(tmp_path):
     ckpt = Checkpointer(tmp_path)
     model = make_model()
