@@ -678,12 +678,13 @@ class Brain:
             "rng": capture_rng_state(),
         }
         if self.distributed.world_size > 1:
-            # Each rank's generators drew for its own batches (dropout, SpecAugment), so
-            # each rank needs its own state back; every rank calls this (the checkpointer
-            # collects the states on all ranks and rank 0 writes them).
-            rank_rng: list[Any] = [None] * self.distributed.world_size
-            torch.distributed.all_gather_object(rank_rng, state["rng"])
-            state["rank_rng"] = rank_rng
+            # Each rank's generators drew for its own batches (dropout, SpecAugment) and
+            # it counted its own utterances, so each rank needs its own state back; every
+            # rank calls this (the checkpointer collects on all ranks, rank 0 writes).
+            ranks: list[Any] = [None] * self.distributed.world_size
+            torch.distributed.all_gather_object(ranks, (state["rng"], train_stats))
+            state["rank_rng"] = [rng for rng, _ in ranks]
+            state["rank_train_stats"] = [stats for _, stats in ranks]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -709,7 +710,7 @@ class Brain:
         self.ledger.train_loss = RunningMean(
             float(state["avg_train_loss"]), int(state.get("avg_train_loss_count", 0))
         )
-        self.train_stats = dict(state.get("train_stats", self.train_stats))
+        self.train_stats = self._restored_train_stats(state)
         if state.get("precision") not in (None, self.amp.name):
             logger.warning(
                 "Resuming a %s checkpoint with precision=%s.", state["precision"], self.amp.name
@@ -719,6 +720,19 @@ class Brain:
             restore_rng_state(rank_rng[self.distributed.rank])
         else:  # a single-process checkpoint, or another world size: rank 0's generators
             restore_rng_state(state["rng"])
+
+    def _restored_train_stats(self, state: dict[str, Any]) -> dict[str, float]:
+        """This rank's training stats from a checkpoint; under another world size, rank 0
+        carries the totals (``global_train_stats`` sums utterances and audio over ranks)."""
+        saved = state.get("rank_train_stats") or [state.get("train_stats", self.train_stats)]
+        if len(saved) == self.distributed.world_size:
+            return dict(saved[self.distributed.rank])
+        mine = self.distributed.rank == 0
+        return {
+            "time_s": max(float(s["time_s"]) for s in saved),
+            "utterances": sum(s["utterances"] for s in saved) if mine else 0,
+            "audio_s": sum(float(s["audio_s"]) for s in saved) if mine else 0.0,
+        }
 
     def global_train_stats(self) -> dict[str, float]:
         """Training time, utterances and audio seconds of all ranks together.

@@ -301,6 +301,10 @@ def test_ddp_run_stopped_mid_epoch_resumes_bitwise_under_the_same_world_size(
     for index, moments in expected["optimizer"]["state"].items():
         for key, value in moments.items():
             assert torch.equal(value, got["optimizer"]["state"][index][key]), (index, key)
+    utterances = [
+        [stats["utterances"] for stats in s["brain"]["rank_train_stats"]] for s in (expected, got)
+    ]
+    assert utterances[0] == utterances[1]  # each rank trained (and counted) the same
     ref, res = results(interrupted["root"] / "reference"), results(run_dir)
     assert res["world_size"] == 2
     for key in ("optimizer_steps", "valid_metrics", "test_metrics"):
@@ -322,6 +326,9 @@ def test_ddp_run_stopped_mid_epoch_resumes_in_one_process_without_losing_a_batch
     assert [int(batches) for _, batches in resumes] == [2 * step]  # batches of the epoch
     expected, got = latest_state(interrupted["root"] / "reference"), latest_state(run_dir)
     assert got["brain"]["world_size"] == 1
+    # Utterances trained over the run: the two ranks' before the stop, then one process's.
+    ranks = expected["brain"]["rank_train_stats"]
+    assert got["brain"]["train_stats"]["utterances"] == sum(s["utterances"] for s in ranks)
     assert got["brain"]["optimizer_step"] == expected["brain"]["optimizer_step"]
     assert got["lr_scheduler"]["last_epoch"] == expected["lr_scheduler"]["last_epoch"]
     for name, weight in expected["module.model"].items():
