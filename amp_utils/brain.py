@@ -41,7 +41,7 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio variant creates a second loa
 
 from amp_utils.amp_step import AMPOptimizerStep, ScalerState
 from amp_utils.autocast import AMPConfig, TorchAutocast
-from amp_utils.checkpoint import Checkpoint, Checkpointer
+from amp_utils.checkpoint import Checkpoint, Checkpointer, CheckpointError
 from amp_utils.compile import compile_modules
 from amp_utils.distributed import (
     all_reduce_counts,
@@ -677,25 +677,62 @@ class Brain:
             "train_stats": train_stats,
             "rng": capture_rng_state(),
         }
+        if self.distributed.world_size > 1:
+            # Each rank's generators drew for its own batches (dropout, SpecAugment) and
+            # it counted its own utterances, so each rank needs its own state back; every
+            # rank calls this (the checkpointer collects on all ranks, rank 0 writes).
+            ranks: list[Any] = [None] * self.distributed.world_size
+            torch.distributed.all_gather_object(ranks, (state["rng"], train_stats))
+            state["rank_rng"] = [rng for rng, _ in ranks]
+            state["rank_train_stats"] = [stats for _, stats in ranks]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved."""
         # Rank r trains batches r, r + W, ... of the epoch's batch list: after k batches
-        # per rank, the first k * W are done, whatever the new world size is.
-        done = int(state["step"]) * int(state.get("world_size", 1))
-        self._resume_step = done // self.distributed.world_size
+        # per rank, the first k * W are done. A new world size W' goes on from there when
+        # W' divides k * W; otherwise it would train a batch twice (or skip one): refused.
+        saved_world_size = int(state.get("world_size", 1))
+        done = int(state["step"]) * saved_world_size
+        world_size = self.distributed.world_size
+        if done % world_size:
+            raise CheckpointError(
+                f"The mid-epoch checkpoint was saved after {done} batches of its epoch by "
+                f"{saved_world_size} process(es); {world_size} processes cannot go on from "
+                f"there without training a batch twice or skipping one ({done} is not a "
+                f"multiple of {world_size}). Resume it with {saved_world_size} process(es) "
+                "(or a number that divides the batches done); the world size may change "
+                "at an epoch end."
+            )
+        self._resume_step = done // world_size
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.ledger.train_loss = RunningMean(
             float(state["avg_train_loss"]), int(state.get("avg_train_loss_count", 0))
         )
-        self.train_stats = dict(state.get("train_stats", self.train_stats))
+        self.train_stats = self._restored_train_stats(state)
         if state.get("precision") not in (None, self.amp.name):
             logger.warning(
                 "Resuming a %s checkpoint with precision=%s.", state["precision"], self.amp.name
             )
-        restore_rng_state(state["rng"])
+        rank_rng = state.get("rank_rng")
+        if rank_rng is not None and len(rank_rng) == world_size:
+            restore_rng_state(rank_rng[self.distributed.rank])
+        else:  # a single-process checkpoint, or another world size: rank 0's generators
+            restore_rng_state(state["rng"])
+
+    def _restored_train_stats(self, state: dict[str, Any]) -> dict[str, float]:
+        """This rank's training stats from a checkpoint; under another world size, rank 0
+        carries the totals (``global_train_stats`` sums utterances and audio over ranks)."""
+        saved = state.get("rank_train_stats") or [state.get("train_stats", self.train_stats)]
+        if len(saved) == self.distributed.world_size:
+            return dict(saved[self.distributed.rank])
+        mine = self.distributed.rank == 0
+        return {
+            "time_s": max(float(s["time_s"]) for s in saved),
+            "utterances": sum(s["utterances"] for s in saved) if mine else 0,
+            "audio_s": sum(float(s["audio_s"]) for s in saved) if mine else 0.0,
+        }
 
     def global_train_stats(self) -> dict[str, float]:
         """Training time, utterances and audio seconds of all ranks together.

@@ -391,6 +391,8 @@ class Checkpointer:
                 continue
             try:
                 obj.load_state_dict(state[name])
+            except CheckpointError:  # the recoverable's own message says what is wrong
+                raise
             except (RuntimeError, ValueError, KeyError) as err:
                 detail = " ".join(str(err).split())[:300]
                 raise CheckpointError(

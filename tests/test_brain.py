@@ -489,6 +489,25 @@ def test_brain_checkpoint_restores_rng(tmp_path):
     assert brain.optimizer_step == 0
 
 
+def test_each_ddp_rank_gets_its_own_rng_state_back():
+    """A DDP checkpoint holds every rank's generators (their dropout and SpecAugment drew
+    for different batches); rank r restores its own, not rank 0's."""
+    from amp_utils.distributed import DistributedInfo
+    from amp_utils.rng_state import capture_rng_state
+
+    brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    state = brain.state_dict()
+    assert "rank_rng" not in state  # one process: its own state is "rng"
+    torch.manual_seed(11)
+    rank1 = capture_rng_state()
+    expected = torch.rand(3)
+    torch.manual_seed(10)
+    rank0 = capture_rng_state()
+    brain.distributed = DistributedInfo(world_size=2, rank=1, backend="gloo")
+    brain.load_state_dict({**state, "world_size": 2, "rng": rank0, "rank_rng": [rank0, rank1]})
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_evaluate_loads_best_checkpoint(tmp_path):
     ckpt = Checkpointer(tmp_path)
     model = make_model()
@@ -536,6 +555,106 @@ def test_brain_trains_on_cuda_with_fused_adamw(cuda_device, precision):
     assert brain.seen_dtypes[Stage.TRAIN] == PRECISIONS[precision]
     assert brain.scaler.is_enabled() == (precision == "fp16")
     assert all(torch.isfinite(p).all() for p in brain.modules.parameters())
+
+
+def cuda_batch(device, n=16, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    return x.to(device), x.sum(dim=1, keepdim=True).to(device)
+
+
+@pytest.mark.gpu
+def test_fp16_inf_gradient_on_cuda_halves_the_scale_and_leaves_the_weights(cuda_device):
+    """The CUDA GradScaler path with fused AdamW (found_inf read on the device): a step
+    whose gradient holds an inf is not applied (weights and optimizer state unchanged),
+    the scale halves, and the next finite step is applied at the halved scale."""
+    brain = RegressionBrain(
+        {"model": make_model()},
+        lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+        run_opts=run_opts(device="cuda", precision="fp16", max_grad_norm=1.0),
+    )
+    brain.on_fit_start()
+    batch = cuda_batch(cuda_device)
+    while brain.optimizer_step == 0:  # torch's initial scale may overflow first
+        assert brain.step < 8, "no fp16 step was applied"
+        brain.train_step(batch)
+        brain.flush_pending()
+    applied, skipped = brain.optimizer_step, brain.skipped_steps
+    first = brain.modules.model[0].weight
+    weights = {k: v.clone() for k, v in brain.modules.state_dict().items()}
+    moments = {k: v.clone() for k, v in brain.optimizer.state[first].items()}
+    scale = brain.scaler.get_scale()
+
+    def inf_gradient(grad):
+        return grad.index_fill(0, torch.tensor([0], device=grad.device), float("inf"))
+
+    handle = first.register_hook(inf_gradient)
+    try:
+        brain.train_step(batch)
+        brain.flush_pending()
+    finally:
+        handle.remove()
+    assert (brain.optimizer_step, brain.skipped_steps) == (applied, skipped + 1)
+    assert brain.scaler.get_scale() == scale * 0.5
+    for key, value in brain.modules.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+    for key, value in brain.optimizer.state[first].items():
+        assert torch.equal(value, moments[key]), key
+
+    brain.train_step(batch)
+    brain.flush_pending()
+    assert (brain.optimizer_step, brain.skipped_steps) == (applied + 1, skipped + 1)
+    assert brain.scaler.get_scale() == scale * 0.5  # growth only after growth_interval
+    assert not torch.equal(first, weights["model.0.weight"])
+    assert all(torch.isfinite(p).all() for p in brain.modules.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("precision", "tol"), [("fp32", 1e-5), ("bf16", 2e-2)])
+def test_compiled_brain_trains_like_eager_on_cuda(cuda_device, precision, tol):
+    """trainer.compile (whole modules, inductor) against eager on the GPU: the same losses
+    and weights after a few steps, within the precision's tolerance (TF32 is off)."""
+    trained = {}
+    for compiled in (False, True):
+        brain = RegressionBrain(
+            {"model": make_model()},
+            sgd(),
+            run_opts=run_opts(device="cuda", precision=precision, compile=compiled),
+        )
+        brain.on_fit_start()
+        losses = []
+        for step in range(4):
+            losses.append(brain.train_step(cuda_batch(cuda_device, seed=step)).float())
+        brain.flush_pending()
+        assert brain.optimizer_step == 4
+        trained[compiled] = (torch.stack(losses).cpu(), params_of(brain))
+    (eager_losses, eager), (compiled_losses, compiled) = trained[False], trained[True]
+    torch.testing.assert_close(compiled_losses, eager_losses, rtol=tol, atol=tol)
+    for p, q in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_checkpoint_round_trip_restores_the_cuda_rng(cuda_device, tmp_path):
+    """Dropout and SpecAugment on the GPU draw from the CUDA generator: a resume replays
+    it (the state goes through the file and back onto the device)."""
+    ckpt = Checkpointer(tmp_path)
+    RegressionBrain(
+        {"model": make_model(dropout=0.5)},
+        sgd(),
+        run_opts=run_opts(device="cuda"),
+        checkpointer=ckpt,
+    )
+    torch.cuda.manual_seed_all(5)
+    torch.rand(7, device=cuda_device)  # an advanced state, not a freshly seeded one
+    saved_state = torch.cuda.get_rng_state(cuda_device)
+    ckpt.save_checkpoint()
+    expected = torch.rand(3, device=cuda_device)
+    torch.cuda.manual_seed_all(6)
+    assert not torch.equal(torch.cuda.get_rng_state(cuda_device), saved_state)
+    ckpt.recover_if_possible(map_location=cuda_device)
+    assert torch.equal(torch.cuda.get_rng_state(cuda_device), saved_state)
+    assert torch.equal(torch.rand(3, device=cuda_device), expected)
 
 
 class RecordingLogger:

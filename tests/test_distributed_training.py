@@ -13,6 +13,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -207,6 +208,168 @@ def test_sigterm_under_torchrun_saves_once_and_resumes(data_args, tmp_path):
     log = (run_dir / "train.log").read_text()
     assert f"{step} batches into the epoch" in log
     assert results(run_dir)["epochs"] == epoch + 1
+
+
+#: A tiny model, so that the interrupted runs below take seconds.
+TINY = [
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.ffn_dim=64",
+    "trainer.epochs=2",
+    "trainer.ckpt_interval_minutes=0",
+    "trainer.log_interval_steps=2",  # ranks decide jointly (and stop) every 2 steps
+]
+RESUMED = re.compile(r"Resumed from \S+ \(optimizer step (\d+), (\d+) batches into the epoch\)")
+
+
+def sigterm_in_epoch_2(args: list[str], run_dir: Path) -> dict:
+    """Start a 2-process run, SIGTERM it once epoch 1 is checkpointed; returns the state of
+    the mid-epoch checkpoint both ranks saved."""
+    proc = subprocess.Popen(
+        recipe_command("train.py", [*args, f"hydra.run.dir={run_dir}"], nproc=2),
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while not list((run_dir / "checkpoints").glob("CKPT+*")):  # end of epoch 1
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode != 0, "the run ended before the signal stopped it: " + output[-2000:]
+    [mid_epoch] = [
+        c
+        for c in Checkpointer(run_dir / "checkpoints").list_checkpoints()
+        if c.meta.get("intra_epoch")
+    ]
+    state = read_state(mid_epoch.path / "state.pt")["state"]
+    assert state["epoch_counter"]["current"] == 2 and state["brain"]["world_size"] == 2
+    assert state["brain"]["step"] > 0, "stopped at the end of an epoch, not inside one"
+    return state
+
+
+def stop_and_reference(root: Path, args: list[str]) -> dict:
+    """An uninterrupted 2-process run and the same run SIGTERMed inside epoch 2."""
+    run_train([*args, f"hydra.run.dir={root / 'reference'}"], nproc=2)
+    state = sigterm_in_epoch_2(args, root / "stopped")
+    return {"args": args, "root": root, "state": state}
+
+
+@pytest.fixture(scope="module")
+def interrupted(data_args, tmp_path_factory) -> dict:
+    """Deterministic training (DDP equals one process accumulating 2 batches)."""
+    root = tmp_path_factory.mktemp("ddp_interrupted")
+    return stop_and_reference(root, [*COMMON, *data_args, *TINY])
+
+
+@pytest.fixture(scope="module")
+def interrupted_noisy(data_args, tmp_path_factory) -> dict:
+    """Dropout and SpecAugment on, as users train: each rank draws its own random numbers."""
+    root = tmp_path_factory.mktemp("ddp_interrupted_noisy")
+    common = [a for a in COMMON if not a.startswith(("model.dropout", "data.spec_augment"))]
+    return stop_and_reference(root, [*common, *data_args, *TINY])
+
+
+def resume_copy(interrupted: dict, name: str) -> Path:
+    """A copy of the stopped run's folder (each test resumes its own)."""
+    run_dir = interrupted["root"] / name
+    shutil.copytree(interrupted["root"] / "stopped", run_dir)
+    return run_dir
+
+
+def test_ddp_run_stopped_mid_epoch_resumes_bitwise_under_the_same_world_size(
+    interrupted_noisy,
+):
+    """Every rank gets its own RNG state back (dropout and SpecAugment replay exactly)."""
+    interrupted = interrupted_noisy
+    run_dir = resume_copy(interrupted, "resumed_ddp")
+    run_train([*interrupted["args"], f"hydra.run.dir={run_dir}"], nproc=2)
+    step = interrupted["state"]["brain"]["step"]
+    resumes = RESUMED.findall((run_dir / "train.log").read_text())
+    assert [int(batches) for _, batches in resumes] == [step]  # per-rank batches, W=2
+    expected, got = latest_state(interrupted["root"] / "reference"), latest_state(run_dir)
+    assert got["brain"]["optimizer_step"] == expected["brain"]["optimizer_step"]
+    assert got["lr_scheduler"] == expected["lr_scheduler"]
+    lrs = [s["optimizer"]["param_groups"][0]["lr"] for s in (expected, got)]
+    assert lrs[0] == lrs[1]
+    for module in ("module.model", "module.features"):
+        for key, value in expected[module].items():
+            assert torch.equal(value, got[module][key]), f"{module}.{key}"
+    for index, moments in expected["optimizer"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, got["optimizer"]["state"][index][key]), (index, key)
+    utterances = [
+        [stats["utterances"] for stats in s["brain"]["rank_train_stats"]] for s in (expected, got)
+    ]
+    assert utterances[0] == utterances[1]  # each rank trained (and counted) the same
+    ref, res = results(interrupted["root"] / "reference"), results(run_dir)
+    assert res["world_size"] == 2
+    for key in ("optimizer_steps", "valid_metrics", "test_metrics"):
+        assert res[key] == ref[key], key
+
+
+def test_ddp_run_stopped_mid_epoch_resumes_in_one_process_without_losing_a_batch(
+    interrupted,
+):
+    """World size 2 -> 1 inside an epoch: after k batches per rank the first 2k batches of
+    the epoch's list are done (brain.load_state_dict), so one process goes on at batch 2k.
+    Accumulating 2 batches per step it is the same training as the DDP run (up to
+    summation order): a batch skipped or trained twice changes the step count and weights."""
+    run_dir = resume_copy(interrupted, "resumed_single")
+    args = [*interrupted["args"], "trainer.grad_accumulation_factor=2"]
+    run_train([*args, f"hydra.run.dir={run_dir}"], nproc=1)
+    step = interrupted["state"]["brain"]["step"]
+    resumes = RESUMED.findall((run_dir / "train.log").read_text())
+    assert [int(batches) for _, batches in resumes] == [2 * step]  # batches of the epoch
+    expected, got = latest_state(interrupted["root"] / "reference"), latest_state(run_dir)
+    assert got["brain"]["world_size"] == 1
+    # Utterances trained over the run: the two ranks' before the stop, then one process's.
+    ranks = expected["brain"]["rank_train_stats"]
+    assert got["brain"]["train_stats"]["utterances"] == sum(s["utterances"] for s in ranks)
+    assert got["brain"]["optimizer_step"] == expected["brain"]["optimizer_step"]
+    assert got["lr_scheduler"]["last_epoch"] == expected["lr_scheduler"]["last_epoch"]
+    for name, weight in expected["module.model"].items():
+        torch.testing.assert_close(got["module.model"][name], weight, rtol=0, atol=TOLERANCE)
+    ref, res = results(interrupted["root"] / "reference"), results(run_dir)
+    assert res["world_size"] == 1 and res["optimizer_steps"] == ref["optimizer_steps"]
+
+
+def test_mid_epoch_position_two_ranks_cannot_continue_from_is_refused(data_args, tmp_path):
+    """World size 1 -> 2 after an odd number of batches: two ranks can only go on from an
+    even batch, so one batch would be trained twice (or skipped). The resume is refused,
+    with one line (per rank) that says what to do, and nothing is trained."""
+    run_dir = tmp_path / "run"
+    args = [
+        *COMMON,
+        *data_args,
+        *(arg for arg in TINY if not arg.startswith("trainer.epochs=")),
+        "trainer.epochs=1",
+        "trainer.ckpt_interval_steps=2",  # optimizer steps are read back one batch late
+        f"hydra.run.dir={run_dir}",
+    ]
+    run_train(args, nproc=1)
+    # As if the run had been killed after its last mid-epoch checkpoint.
+    (run_dir / "results.json").unlink()
+    ckpts = Checkpointer(run_dir / "checkpoints").list_checkpoints()
+    for ckpt in ckpts:
+        if ckpt.end_of_epoch:
+            shutil.rmtree(ckpt.path)
+    [mid_epoch] = [c for c in ckpts if not c.end_of_epoch]
+    state = read_state(mid_epoch.path / "state.pt")["state"]
+    batches = state["brain"]["step"]
+    assert state["brain"]["world_size"] == 1 and batches % 2 == 1, batches
+
+    result = run_train(args, nproc=2, ok=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    message = f"error: The mid-epoch checkpoint was saved after {batches} batches"
+    assert output.count(message) == 2, output[-3000:]
+    assert "CheckpointError" not in output, output[-3000:]  # no traceback of ours
+    assert not (run_dir / "results.json").exists()
+    assert Checkpointer(run_dir / "checkpoints").list_checkpoints() == [mid_epoch]
 
 
 @pytest.mark.gpu

@@ -4,11 +4,12 @@ A real ``recipes/train.py`` run, as users start it (default DataLoader workers, 
 truncation of the epochs; a small model on a small FSDD subset so it takes seconds), is
 SIGKILLed inside chosen epochs and restarted with the same command until it finishes. It
 must end where an uninterrupted run ends: the same optimizer step count, learning rate and
-scheduler position, bitwise the same weights and optimizer state, the same validation and
-test metrics; every checkpoint left on disk after a kill must be readable.
+scheduler position, bitwise the same weights and optimizer state (and, for fp16, the same
+loss scaler state), the same validation and test metrics; every checkpoint left on disk
+after a kill must be readable.
 
-The scenario (model, checkpoint trigger, the epochs and moments of the kills) is drawn from
-a seed shown in the test id; ``KILL_RESUME_SEED=N pytest tests/test_kill_resume.py``
+The scenario (model, precision, checkpoint trigger, the epochs and moments of the kills) is
+drawn from a seed shown in the test id; ``KILL_RESUME_SEED=N pytest tests/test_kill_resume.py``
 replays one (by default every session draws a new seed).
 """
 
@@ -51,6 +52,8 @@ TRIGGERS = {  # mid-epoch checkpoints every 1-2 optimizer steps, or every 30 ms 
     "steps": lambda rng: [f"trainer.ckpt_interval_steps={rng.randint(1, 2)}"],
     "time": lambda rng: ["trainer.ckpt_interval_minutes=0.0005"],
 }
+#: Every training precision; on a CPU without native fp16/bf16 those are emulated (slower).
+PRECISIONS = ("fp32", "fp16", "bf16")
 RESUMED = re.compile(r"Resumed from \S+ \(optimizer step (\d+), (\d+) batches into the epoch\)")
 
 
@@ -60,6 +63,7 @@ class Scenario:
 
     seed: int
     model: str
+    precision: str
     trigger: str
     args: tuple[str, ...]
     kills: tuple[tuple[int, int, float], ...]  # (epoch, mid-epoch checkpoints seen, delay s)
@@ -67,22 +71,29 @@ class Scenario:
     @property
     def name(self) -> str:
         epochs = "+".join(str(epoch) for epoch, _, _ in self.kills)
-        return f"seed{self.seed}-{self.model}-{self.trigger}-kill@epoch{epochs}"
+        return f"seed{self.seed}-{self.model}-{self.precision}-{self.trigger}-kill@epoch{epochs}"
 
 
-def draw(seed: int, kills: int, model: str | None = None, trigger: str | None = None) -> Scenario:
+def draw(
+    seed: int,
+    kills: int,
+    model: str | None = None,
+    trigger: str | None = None,
+    precision: str | None = None,
+) -> Scenario:
     """A scenario drawn from ``seed``: ``kills`` kills in random (non-decreasing) epochs."""
     rng = random.Random(seed)
     model = model or rng.choice(sorted(MODELS))
     trigger = trigger or rng.choice(sorted(TRIGGERS))
-    args = (*MODELS[model], *TRIGGERS[trigger](rng))
+    precision = precision or rng.choice(PRECISIONS)
+    args = (*MODELS[model], f"precision={precision}", *TRIGGERS[trigger](rng))
     # At most 3 kills per epoch, each after 1-2 new mid-epoch checkpoints (at most every 2
     # steps) plus a delay that may fall into a checkpoint write: 12 of the ~15 steps of an
     # epoch at most, so the run cannot finish before its last kill.
     pool = [epoch for epoch in range(1, EPOCHS + 1) for _ in range(3)]
     epochs = sorted(rng.sample(pool, kills))
     moments = tuple((e, rng.randint(1, 2), rng.uniform(0.0, 0.05)) for e in epochs)
-    return Scenario(seed, model, trigger, args, moments)
+    return Scenario(seed, model, precision, trigger, args, moments)
 
 
 def write_subset(prepared: Path, out: Path) -> dict[str, Path]:
@@ -109,6 +120,7 @@ def command(scenario: Scenario, manifests: dict[str, Path], run_dir: Path) -> li
         f"trainer.epochs={EPOCHS}",
         "data.max_batch_seconds=2",
         "model.warmup_steps=5",
+        f"trainer.keep_checkpoints={EPOCHS + 1}",  # every epoch end stays, to be compared
         *MANIFEST_8K,
         *(f"data.{split}={path}" for split, path in manifests.items()),
         *scenario.args,
@@ -174,10 +186,35 @@ def run_with_kills(scenario: Scenario, manifests: dict[str, Path], run_dir: Path
     return (run_dir / "train.log").read_text()
 
 
-def final_state(run_dir: Path) -> dict:
-    """The state of the run's newest checkpoint (the end of its last epoch)."""
-    latest = Checkpointer(run_dir / "checkpoints").find_checkpoint()
-    return read_state(latest.path / "state.pt")["state"]
+def epoch_states(run_dir: Path) -> dict[int, dict]:
+    """The states of the run's end-of-epoch checkpoints on disk, by epoch."""
+    states = {}
+    for ckpt in Checkpointer(run_dir / "checkpoints").list_checkpoints():
+        if ckpt.end_of_epoch:
+            state = read_state(ckpt.path / "state.pt")["state"]
+            states[state["epoch_counter"]["current"]] = state
+    return states
+
+
+def assert_same_state(expected: dict, got: dict, precision: str) -> None:
+    """Bitwise the same training state: counters, schedule, weights, optimizer, scaler."""
+    assert got["brain"]["optimizer_step"] == expected["brain"]["optimizer_step"]
+    assert got["brain"]["skipped_steps"] == expected["brain"]["skipped_steps"]
+    assert got["lr_scheduler"]["last_epoch"] == expected["lr_scheduler"]["last_epoch"]
+    lrs = [s["optimizer"]["param_groups"][0]["lr"] for s in (expected, got)]
+    assert lrs[0] == lrs[1]
+    assert got["epoch_counter"] == expected["epoch_counter"]
+    modules = sorted(k for k in expected if k.startswith("module."))
+    assert modules and modules == sorted(k for k in got if k.startswith("module."))
+    for name in modules:
+        for key, value in expected[name].items():
+            assert torch.equal(value, got[name][key]), f"{name}.{key}"
+    for index, moments in expected["optimizer"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, got["optimizer"]["state"][index][key]), (index, key)
+    # fp16: the loss scale and its growth tracker; the others keep a disabled scaler.
+    assert expected["scaler"]["enabled"] == (precision == "fp16")
+    assert got["scaler"] == expected["scaler"]
 
 
 def kill_resume_check(scenario: Scenario, tmp_path: Path, prepared: Path) -> None:
@@ -192,22 +229,17 @@ def kill_resume_check(scenario: Scenario, tmp_path: Path, prepared: Path) -> Non
     assert len(resumes) == len(scenario.kills), log[-3000:]
     assert any(batches > 0 for _, batches in resumes), f"no mid-epoch resume: {resumes}"
 
-    expected, got = final_state(reference), final_state(killed)
-    assert got["brain"]["optimizer_step"] == expected["brain"]["optimizer_step"]
-    assert got["lr_scheduler"]["last_epoch"] == expected["lr_scheduler"]["last_epoch"]
-    lrs = [s["optimizer"]["param_groups"][0]["lr"] for s in (expected, got)]
-    assert lrs[0] == lrs[1]
-    assert got["epoch_counter"] == expected["epoch_counter"]
-    modules = sorted(k for k in expected if k.startswith("module."))
-    assert modules and modules == sorted(k for k in got if k.startswith("module."))
-    for name in modules:
-        for key, value in expected[name].items():
-            assert torch.equal(value, got[name][key]), f"{name}.{key}"
-    for index, moments in expected["optimizer"]["state"].items():
-        for key, value in moments.items():
-            assert torch.equal(value, got["optimizer"]["state"][index][key]), (index, key)
+    # Every epoch end both runs kept (the last one and the best at least), not only the
+    # last: a difference that a later event hides (an fp16 overflow resets the scaler's
+    # growth tracker) still shows at an earlier epoch end.
+    expected, got = epoch_states(reference), epoch_states(killed)
+    assert EPOCHS in expected and sorted(got) == sorted(expected)
+    for epoch in sorted(expected):
+        assert_same_state(expected[epoch], got[epoch], scenario.precision)
     results = [json.loads((r / "results.json").read_text()) for r in (reference, killed)]
-    for key in ("optimizer_steps", "test_metrics", "valid_metrics"):
+    assert results[0]["precision"] == scenario.precision
+    assert results[0]["optimizer_steps"] > 0  # fp16: some steps survive the scale's backoff
+    for key in ("optimizer_steps", "skipped_steps", "test_metrics", "valid_metrics"):
         assert results[0][key] == results[1][key], key
 
 
@@ -228,9 +260,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(scenario, tmp_path, prep
     kill_resume_check(scenario, tmp_path, prepared)
 
 
+#: Every model under every precision, each model with both checkpoint triggers.
 SLOW_SCENARIOS = [
-    draw(SEED + n, kills=6, model=model, trigger=trigger)
-    for n, (model, trigger) in enumerate((m, t) for m in sorted(MODELS) for t in sorted(TRIGGERS))
+    draw(SEED + n, kills=6, model=model, precision=precision, trigger=sorted(TRIGGERS)[n % 2])
+    for n, (model, precision) in enumerate((m, p) for m in sorted(MODELS) for p in PRECISIONS)
 ]
 
 

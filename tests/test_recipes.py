@@ -20,6 +20,7 @@ from amp_utils.run_results import RunResults
 from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
 from data.text import CharTokenizer
+from recipes import experiment
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
 from recipes.data_setup import build_data
@@ -145,10 +146,33 @@ def test_tensorboard_records_the_batch_budget_the_sampler_used(
     assert used == cfg.data.max_batch_seconds * 3 and hparams["max_batch_seconds"] == used
 
 
-def test_fp16_on_cpu_logs_loss_scale(tmp_path, fsdd_root, prepared_digits):
+def test_fp16_on_cpu_applies_updates_and_logs_loss_scale(
+    tmp_path, fsdd_root, prepared_digits, monkeypatch
+):
+    """fp16 through the real recipe: the scaler backs off from torch's initial 65536 on
+    the first overflowing steps, then applies updates that change the weights."""
+    initial = {}
+    build_brain = experiment.build_brain
+
+    def recording_build_brain(*args, **kwargs):  # the weights training starts from
+        brain = build_brain(*args, **kwargs)
+        for name, module in brain.modules.items():
+            initial[name] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return brain
+
+    monkeypatch.setattr(experiment, "build_brain", recording_build_brain)
     cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "precision=fp16")
-    train(cfg)
+    results = train(cfg)
+    assert results["precision"] == "fp16"
+    assert results["optimizer_steps"] >= 1, results  # not every step skipped
     assert "train/loss_scale" in tags(tmp_path / "run" / "tb")["scalars"]
+    latest = Checkpointer(tmp_path / "run" / "checkpoints").find_checkpoint()
+    state = read_state(latest.path / "state.pt")["state"]
+    assert state["scaler"]["enabled"] and state["scaler"]["state"]["scale"] > 0
+    weights = state["module.model"]
+    assert initial["model"].keys() == weights.keys()
+    changed = [k for k, v in initial["model"].items() if not torch.equal(v, weights[k])]
+    assert changed, "fp16 training left every weight of the model unchanged"
 
 
 def test_speaker_id_run_reports_accuracy(tmp_path, fsdd_root, prepared_digits):
