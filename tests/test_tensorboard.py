@@ -78,26 +78,20 @@ def test_hparams_leave_the_experiment_to_tensorboard(tmp_path: Path) -> None:
     assert event.step == 0
 
 
-def test_tensorboard_sorts_the_differing_hparam_first(tmp_path: Path) -> None:
-    """TensorBoard's own hparams backend lists ``precision`` (the one that differs) first."""
+def _experiment_as_tensorboard_shows_it(logdir: Path):
+    """The HParams experiment TensorBoard's own backend builds for ``logdir`` (5 columns)."""
     from tensorboard import context as request_context
     from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
     from tensorboard.plugins import base_plugin
     from tensorboard.plugins.hparams import backend_context
 
-    for precision in ("fp32", "bf16"):
-        logger = TensorBoardLogger(tmp_path / f"precision={precision}" / "tb")
-        logger.log_scalars({"test/accuracy_percent": 90.0}, step=4)
-        hparams = {"compile": False, "data": "fsdd", "device": "cpu", "epochs": 2}
-        logger.log_hparams({**hparams, "lr": 1e-3, "precision": precision}, [])
-        logger.close()
     multiplexer = plugin_event_multiplexer.EventMultiplexer()
-    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.AddRunsFromDirectory(str(logdir))
     multiplexer.Reload()
-    provider = data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path))
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
     context = backend_context.Context(base_plugin.TBContext(data_provider=provider))
     ctx = request_context.RequestContext()
-    experiment = context.experiment_from_metadata(
+    return context.experiment_from_metadata(
         ctx,
         "",
         include_metrics=True,
@@ -105,6 +99,17 @@ def test_tensorboard_sorts_the_differing_hparam_first(tmp_path: Path) -> None:
         data_provider_hparams=None,
         hparams_limit=5,
     )
+
+
+def test_tensorboard_sorts_the_differing_hparam_first(tmp_path: Path) -> None:
+    """TensorBoard's own hparams backend lists ``precision`` (the one that differs) first."""
+    for precision in ("fp32", "bf16"):
+        logger = TensorBoardLogger(tmp_path / f"precision={precision}" / "tb")
+        logger.log_scalars({"test/accuracy_percent": 90.0}, step=4)
+        hparams = {"compile": False, "data": "fsdd", "device": "cpu", "epochs": 2}
+        logger.log_hparams({**hparams, "lr": 1e-3, "precision": precision}, [])
+        logger.close()
+    experiment = _experiment_as_tensorboard_shows_it(tmp_path)
     names = [info.name for info in experiment.hparam_infos]
     assert names[0] == "precision", names
     assert experiment.hparam_infos[0].differs
@@ -164,11 +169,6 @@ def test_sweep_jobs_are_named_by_the_swept_keys_precision_first(tmp_path: Path) 
 
 def test_sweep_experiment_lists_swept_hparams_first_and_test_metrics_only(tmp_path: Path) -> None:
     """The sweep folder's experiment fixes what the HParams tab shows, in TensorBoard itself."""
-    from tensorboard import context as request_context
-    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
-    from tensorboard.plugins import base_plugin
-    from tensorboard.plugins.hparams import backend_context
-
     run_dirs = []
     for num, (precision, seed) in enumerate([("fp32", 1), ("bf16", 1), ("fp32", 2)]):
         run_dirs.append(tmp_path / f"{num}_precision={precision},seed={seed}" / "tb")
@@ -185,20 +185,7 @@ def test_sweep_experiment_lists_swept_hparams_first_and_test_metrics_only(tmp_pa
     write_sweep_experiment(tmp_path, run_dirs, ["seed", "precision"], ["test/accuracy_percent"])
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
 
-    multiplexer = plugin_event_multiplexer.EventMultiplexer()
-    multiplexer.AddRunsFromDirectory(str(tmp_path))
-    multiplexer.Reload()
-    provider = data_provider.MultiplexerDataProvider(multiplexer, str(tmp_path))
-    context = backend_context.Context(base_plugin.TBContext(data_provider=provider))
-    ctx = request_context.RequestContext()
-    experiment = context.experiment_from_metadata(
-        ctx,
-        "",
-        include_metrics=True,
-        hparams_run_to_tag_to_content=context.hparams_metadata(ctx, ""),
-        data_provider_hparams=None,
-        hparams_limit=5,
-    )
+    experiment = _experiment_as_tensorboard_shows_it(tmp_path)
     # swept first (TensorBoard orders them by name), the same-for-all ones after
     assert [info.name for info in experiment.hparam_infos][:2] == ["precision", "seed"]
     assert [info.differs for info in experiment.hparam_infos][:3] == [True, True, False]
