@@ -74,11 +74,16 @@ run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
 run_part gpu_tests 130 python3 -m pytest -m gpu -v -p no:cacheprovider --no-header
 
 # 2. precision sweep of experiment=gpu_asr (one invocation per precision: own time limit)
+# The lexicon decoder needs flashlight-text, which ../shared/wheels-py312 lacks: carry its
+# cp312 wheel in .whl/ (pip download flashlight-text --python-version 3.12
+# --only-binary=:all: --platform manylinux2014_x86_64 --no-deps -d .whl), else decode greedily.
+DECODER=
+python3 -c "import flashlight.lib.text" 2>/dev/null || DECODER=model.decoder=greedy
 for p in bf16 fp32 fp16; do
   run_part "sweep_$p" 120 python3 recipes/train.py -m experiment=gpu_asr precision=$p \
     device="$DEVICE" data.num_train="$TRAIN_UTTS" data.max_batch_seconds="$TRAIN_BATCH" \
     trainer.epochs="$TRAIN_EPOCHS" model.warmup_steps=100 trainer.noprogressbar=true \
-    $M_EXTRA hydra.sweep.dir="$WORK/sweep_gpu_asr" hydra.sweep.subdir=$p
+    $DECODER $M_EXTRA hydra.sweep.dir="$WORK/sweep_gpu_asr" hydra.sweep.subdir=$p
 done
 [ -d "$WORK/sweep_gpu_asr" ] && python3 -c "import pathlib, sys
 from amp_utils.sweep_summary import summarize_sweep; summarize_sweep(pathlib.Path(sys.argv[1]))" \

@@ -72,6 +72,11 @@ class CharTokenizer:
         return "".join(chars)
 
 
+def lexicon_words(transcripts: Iterable[str]) -> tuple[str, ...]:
+    """The sorted distinct words of ``transcripts``: the lexicon of a training split."""
+    return tuple(sorted({word for text in transcripts for word in text.lower().split()}))
+
+
 def ctc_greedy_decode(
     log_probs: torch.Tensor, lengths: torch.Tensor, blank_id: int = 0
 ) -> list[list[int]]:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from amp_utils.distributed import BACKENDS
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name
 from amp_utils.sweep_keys import sweep_job_name
+from recipes.asr.decoding import DECODERS
 from recipes.schema import schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
@@ -213,6 +214,9 @@ def validate_config(cfg: DictConfig) -> None:
             _positive(cfg, key, integer=True)
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
+    if OmegaConf.select(cfg, "model.decoder") is not None:
+        _choice(cfg, "model.decoder", DECODERS)
+        _positive(cfg, "model.beam_size", integer=True)
     _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
     _choice(cfg, "trainer.compile_backend", COMPILE_BACKENDS)
     _choice(cfg, "trainer.distributed_backend", BACKENDS)

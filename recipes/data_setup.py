@@ -33,7 +33,7 @@ from data.errors import DataError
 from data.fsdd import prepare_fsdd_digits
 from data.manifest import Utterance, read_manifest
 from data.sampler import DurationBatchSampler
-from data.text import CharTokenizer
+from data.text import CharTokenizer, lexicon_words
 from recipes.tasks import task_for
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class DataBundle:
     test: DataLoader
     tokenizer: CharTokenizer | None
     speakers: tuple[str, ...]
+    words: tuple[str, ...]  # the training transcripts' words (ASR's lexicon; () for speaker ID)
     max_batch_seconds: float  # the samplers' batch budget: data.max_batch_seconds x batch_scale
     skipped_files: list[tuple[str, str]] = field(default_factory=list)
     record: dict = field(default_factory=dict)  # what was trained on, for results.json
@@ -234,6 +235,7 @@ def build_data(
         test=loaders["test"],
         tokenizer=tokenizer,
         speakers=tuple(speakers),
+        words=lexicon_words(u.transcript for u in utterances["train"]) if tokenizer else (),
         max_batch_seconds=budget,
         skipped_files=skipped,
         record=record,

@@ -103,6 +103,9 @@ def build_brain(
         hparams={
             "tokenizer": data.tokenizer,
             "speakers": data.speakers,
+            "words": data.words,
+            "decoder": OmegaConf.select(cfg, "model.decoder", default="greedy"),
+            "beam_size": OmegaConf.select(cfg, "model.beam_size", default=50),
             "keep_checkpoints": cfg.trainer.keep_checkpoints,
             "average_checkpoints": cfg.trainer.average_checkpoints,
             "label_smoothing": OmegaConf.select(cfg, "model.label_smoothing", default=0.0),
@@ -307,7 +310,12 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             log_header(cfg, brain, data, out_dir)
             write_env_file(out_dir / "env.txt")
             atomic_write_json(
-                out_dir / LABELS_FILE, {"task": cfg.model.task, "speakers": list(data.speakers)}
+                out_dir / LABELS_FILE,
+                {
+                    "task": cfg.model.task,
+                    "speakers": list(data.speakers),
+                    "words": list(data.words),
+                },
             )
 
     tensorboard = TensorBoardLogger(out_dir / TENSORBOARD_DIR) if main else None

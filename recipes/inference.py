@@ -16,7 +16,7 @@ from data.dataset import AudioDataset, collate_audio
 from data.manifest import Utterance
 from recipes.modules import build_modules
 from recipes.run_folder import LABELS_FILE
-from recipes.task import Task
+from recipes.task import RunLabels, Task
 from recipes.tasks import task_for
 
 
@@ -43,9 +43,14 @@ class TrainedModel:
     cfg: DictConfig
     features: torch.nn.Module
     model: torch.nn.Module
-    speakers: tuple[str, ...]
+    labels: RunLabels
     device: torch.device
     amp: AMPConfig
+
+    @property
+    def speakers(self) -> tuple[str, ...]:
+        """The run's speaker names."""
+        return self.labels.speakers
 
     @property
     def task(self) -> Task:
@@ -72,7 +77,7 @@ class TrainedModel:
         with TorchAutocast(device_type=self.device.type, dtype=self.amp.dtype):
             feats, feat_lens = self.features(batch.wavs, batch.wav_lens)
             outputs = self.model(feats, feat_lens)
-            return self.task.predict(outputs, self.speakers)
+            return self.task.predict(outputs, self.labels)
 
 
 def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32") -> TrainedModel:
@@ -80,8 +85,8 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
     averaged checkpoints for its test, the same average)."""
     run_dir = find_run_dir(path)
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    labels = json.loads((run_dir / LABELS_FILE).read_text())
-    speakers = tuple(labels["speakers"])
+    labels = run_labels(cfg, json.loads((run_dir / LABELS_FILE).read_text()))
+    speakers = labels.speakers
     dev = resolve_device(device)
     amp = AMPConfig.from_name(precision)
     check_precision_supported(amp, dev)
@@ -94,4 +99,18 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
     num_averaged = int(OmegaConf.select(cfg, "trainer.average_checkpoints", default=1) or 1)
     if num_averaged > 1:  # the weights the run was tested with
         ckpt.load_averaged(ckpt.find_best_checkpoints(num_averaged, **key), ["module.model"])
-    return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), speakers, dev, amp)
+    return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), labels, dev, amp)
+
+
+def run_labels(cfg: DictConfig, labels_json: dict) -> RunLabels:
+    """A run's labels (its ``labels.json``) and decoding settings (its config).
+
+    Runs from before lexicon decoding have no ``model.decoder`` and no words: they keep
+    decoding greedily, as they were tested.
+    """
+    return RunLabels(
+        speakers=tuple(labels_json["speakers"]),
+        words=tuple(labels_json.get("words", ())),
+        decoder=str(OmegaConf.select(cfg, "model.decoder", default="greedy")),
+        beam_size=int(OmegaConf.select(cfg, "model.beam_size", default=50)),
+    )

@@ -26,6 +26,7 @@ from amp_utils import (
 from amp_utils.module_precision import UnknownModulePatternError
 from amp_utils.precision import check_precision_supported, resolve_precision
 from data.errors import DataError
+from recipes.asr.decoding import DecoderUnavailableError, check_lexicon_decoder_available
 from recipes.config import ConfigError, validate_config
 from recipes.tasks import UnknownTaskError, task_for
 
@@ -40,6 +41,7 @@ USER_ERRORS = (  # bad input: reported as one line, without a traceback
     DistributedConfigError,
     UnknownTaskError,
     UnknownModulePatternError,
+    DecoderUnavailableError,
 )
 
 
@@ -92,6 +94,8 @@ def preflight(cfg: DictConfig) -> None:
     """Everything that can refuse a command before any work: keys, values, device, precision,
     and the direction of a sweeper that tunes the run."""
     validate_config(cfg)
+    if OmegaConf.select(cfg, "model.decoder") == "lexicon":
+        check_lexicon_decoder_available()
     check_sweep_direction(cfg, _sweeper_direction())
     opts = run_options(cfg)
     device = resolve_device(opts.device)

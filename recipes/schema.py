@@ -99,6 +99,8 @@ class ConformerConfig(ModelConfig):
     ffn_dim: int = MISSING  # feed-forward width
     conv_kernel: int = MISSING  # depthwise convolution kernel
     subsampling: int = MISSING  # time reduction of the conv front end
+    decoder: str = MISSING  # greedy (best path) | lexicon (beam search over training words)
+    beam_size: int = MISSING  # hypotheses kept per frame by the lexicon decoder
 
 
 @dataclass

@@ -9,7 +9,7 @@ branches on the task's name.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,9 +20,28 @@ from recipes.audio_brain import AudioBrain
 #: ``build_model(model_cfg, n_mels, speakers)``: the task's model for ``n_mels``-bin
 #: features and the run's speaker names (the classes of speaker ID).
 ModelBuilder = Callable[[DictConfig, int, tuple[str, ...]], torch.nn.Module]
-#: ``predict(model_outputs, speakers)``: the model's outputs for a batch -> one label each
+
+
+@dataclass(frozen=True)
+class RunLabels:
+    """What a trained run's outputs mean (its ``labels.json`` and decoding settings).
+
+    Attributes:
+        speakers: the run's speaker names (the classes of speaker ID).
+        words: the training transcripts' words (the lexicon of ASR's lexicon decoder).
+        decoder: ASR's ``model.decoder`` (``greedy`` | ``lexicon``).
+        beam_size: ASR's ``model.beam_size`` for the lexicon decoder.
+    """
+
+    speakers: tuple[str, ...]
+    words: tuple[str, ...] = field(default=())
+    decoder: str = "greedy"
+    beam_size: int = 50
+
+
+#: ``predict(model_outputs, labels)``: the model's outputs for a batch -> one label each
 #: (a transcript, a speaker name).
-Predictor = Callable[[Any, tuple[str, ...]], list[str]]
+Predictor = Callable[[Any, RunLabels], list[str]]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from amp_utils.checkpoint import read_state
 from amp_utils.run_results import RunResults
 from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
-from data.text import CharTokenizer
+from data.text import DIGIT_WORDS, CharTokenizer
 from recipes import experiment
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
@@ -98,6 +98,9 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert saved["peak_memory_mb"] > 0 and saved["wall_time_s"] > 0
     assert saved["optimizer_steps"] == 4
     assert "torch" in (run / "env.txt").read_text()
+    # The lexicon of the default decoder: the words of the training transcripts.
+    labels = json.loads((run / "labels.json").read_text())
+    assert labels["words"] == sorted(DIGIT_WORDS)
     ckpts = Checkpointer(run / "checkpoints").list_checkpoints()
     assert ckpts and all("CER" in c.meta for c in ckpts)
     # What was tested: the best checkpoint by validation CER, and its validation metrics.
@@ -444,9 +447,10 @@ class _StateHolder:
         self.state = state
 
 
-def plant_one_letter_model(run: Path, letter: str) -> None:
+def plant_letter_model(run: Path, letter: str, runners_up: str = "") -> None:
     """Leave the run one best checkpoint: its own weights, but an output layer that scores
-    ``letter`` highest on every frame, so greedy CTC decoding reads exactly ``letter``.
+    ``letter`` highest on every frame (so greedy CTC decoding reads exactly ``letter``) and
+    each of ``runners_up`` second (what a lexicon search may spell a word with).
 
     The two debug epochs of the CLI run leave a model that may well transcribe nothing;
     this makes the expected transcript known and non-empty.
@@ -457,6 +461,8 @@ def plant_one_letter_model(run: Path, letter: str) -> None:
     weights["output.weight"].zero_()
     weights["output.bias"].fill_(-10.0)
     weights["output.bias"][CharTokenizer().encode(letter)[0]] = 10.0
+    for other in CharTokenizer().encode(runners_up):
+        weights["output.bias"][other] = 5.0
     for ckpt in checkpoints.list_checkpoints():
         shutil.rmtree(ckpt.path)
     planted = Checkpointer(run / "checkpoints", {"module.model": _StateHolder(weights)})
@@ -467,7 +473,7 @@ def plant_one_letter_model(run: Path, letter: str) -> None:
 def test_transcribe_prints_a_transcript_per_file(cli_run, fsdd_recordings, precision, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(cli_run, run)
-    plant_one_letter_model(run, "z")
+    plant_letter_model(run, "z", runners_up="ero")
     wavs = [fsdd_recordings / "3_theo_0.wav", fsdd_recordings / "7_george_1.wav"]
     result = run_cli(
         "transcribe.py",
@@ -478,7 +484,22 @@ def test_transcribe_prints_a_transcript_per_file(cli_run, fsdd_recordings, preci
     rows = [line.split("\t") for line in result.stdout.rstrip("\n").split("\n")]
     assert [row[0] for row in rows] == [str(w) for w in wavs]
     assert all(set(row[1]) <= set("abcdefghijklmnopqrstuvwxyz' ") for row in rows)
-    assert [row[1] for row in rows] == ["z", "z"]  # the checkpoint's model, decoded
+    # The checkpoint's model, decoded by the run's lexicon decoder: every frame says "z"
+    # (then e, r, o), and a known word must come out: "zero", not the best path "z".
+    assert [row[1] for row in rows] == ["zero", "zero"]
+
+
+def test_transcribe_decodes_greedily_when_the_run_did(cli_run, fsdd_recordings, tmp_path):
+    """``model.decoder=greedy`` (and runs from before the lexicon decoder) spell freely."""
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    plant_letter_model(run, "z", runners_up="ero")
+    config = run / ".hydra" / "config.yaml"
+    config.write_text(config.read_text().replace("decoder: lexicon", "decoder: greedy"))
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    result = run_cli("transcribe.py", [str(run), wav, "--device", "cpu"], fsdd_recordings)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\t")[1].strip() == "z"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from data.text import CharTokenizer
 from recipes.asr.brain import ASRBrain
 from recipes.speaker.brain import SpeakerBrain
+from recipes.task import RunLabels
 from recipes.tasks import MODEL_TASKS, TASKS, UnknownTaskError, get_task, task_for
 
 
@@ -35,13 +36,13 @@ def test_unknown_names_fail_with_the_valid_ones(model, message) -> None:
 
 
 def test_predictions_are_labels() -> None:
-    speakers = ("george", "jackson")
+    labels = RunLabels(speakers=("george", "jackson"))
     logits = torch.tensor([[0.1, 2.0], [3.0, 0.0]])
-    assert get_task("speaker").predict(logits, speakers) == ["jackson", "george"]
+    assert get_task("speaker").predict(logits, labels) == ["jackson", "george"]
     # Greedy CTC: "a" (2) twice in a row collapses, the blank (0) separates "b" (3).
     ids = torch.tensor([[2, 2, 0, 3, 0]])
     logits = torch.nn.functional.one_hot(ids, CharTokenizer().vocab_size).float() * 10
-    assert get_task("asr").predict((logits, torch.tensor([5])), speakers) == ["ab"]
+    assert get_task("asr").predict((logits, torch.tensor([5])), labels) == ["ab"]
 
 
 class _Batch:

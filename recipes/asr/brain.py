@@ -1,4 +1,4 @@
-"""CTC speech recognition recipe: forward, CTC objective, greedy decoding, CER/WER."""
+"""CTC speech recognition recipe: forward, CTC objective, decoding, CER/WER."""
 
 from __future__ import annotations
 
@@ -8,20 +8,17 @@ import torchaudio
 from amp_utils import Stage
 from amp_utils.compile import unwrap_module
 from data.dataset import AudioBatch
-from data.text import CharTokenizer, ctc_greedy_decode
+from recipes.asr.decoding import Decoder, make_decoder
 from recipes.asr.model import ctc_log_probs, ctc_loss
 from recipes.audio_brain import AudioBrain
 
 
-def greedy_transcripts(
-    log_probs: torch.Tensor, out_lens: torch.Tensor, tokenizer: CharTokenizer
-) -> list[str]:
-    """Best-path CTC transcripts of ``[B, T, vocab]`` log-probabilities (scoring, inference)."""
-    return [tokenizer.decode(ids) for ids in ctc_greedy_decode(log_probs, out_lens)]
-
-
 class ASRBrain(AudioBrain):
-    """Character CTC recognizer; the best checkpoint is the one with the lowest CER."""
+    """Character CTC recognizer; the best checkpoint is the one with the lowest CER.
+
+    Validation and test transcripts come from ``hparams.decoder`` (``greedy`` or
+    ``lexicon`` over ``hparams.words``, the training transcripts' words; default greedy).
+    """
 
     metric_key = "CER"
     metric_mode = "min"
@@ -56,12 +53,22 @@ class ASRBrain(AudioBrain):
         frames = unwrap_module(self.modules.features).frame_lengths(host.wav_lens)
         return unwrap_module(self.modules.model).output_lengths(frames), host.token_lens
 
+    @property
+    def decode(self) -> Decoder:
+        """The run's transcript decoder (``model.decoder``), built on first use."""
+        hparams = self.hparams
+        return make_decoder(
+            getattr(hparams, "decoder", "greedy"),
+            tuple(getattr(hparams, "words", ())),
+            int(getattr(hparams, "beam_size", 50)),
+        )
+
     def reset_metrics(self, stage: Stage) -> None:
         self.char_edits = self.char_total = self.word_edits = self.word_total = 0
         self.examples: list[tuple[str, str]] = []
 
     def _score(self, log_probs: torch.Tensor, out_lens: torch.Tensor, batch: AudioBatch) -> None:
-        hyps = greedy_transcripts(log_probs, out_lens, self.hparams.tokenizer)
+        hyps = self.decode(log_probs, out_lens)
         for ref, hyp in zip(batch.transcripts, hyps, strict=True):
             self.char_edits += torchaudio.functional.edit_distance(ref, hyp)
             self.char_total += len(ref)

@@ -1,4 +1,4 @@
-"""The ASR task's registry entry: Conformer-CTC models, ``ASRBrain``, greedy CTC decoding."""
+"""The ASR task's registry entry: Conformer-CTC models, ``ASRBrain``, CTC decoding."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import torch
 from omegaconf import DictConfig
 
 from data.text import CharTokenizer
-from recipes.asr.brain import ASRBrain, greedy_transcripts
+from recipes.asr.brain import ASRBrain
+from recipes.asr.decoding import make_decoder
 from recipes.asr.model import ConformerCTC, ctc_log_probs
-from recipes.task import Task
+from recipes.task import RunLabels, Task
 
 
 def build_conformer_ctc(
@@ -29,12 +30,11 @@ def build_conformer_ctc(
     )
 
 
-def predict_transcripts(
-    outputs: tuple[torch.Tensor, torch.Tensor], speakers: tuple[str, ...]
-) -> list[str]:
-    """Greedy CTC transcripts of the model's ``(logits, output lengths)``."""
+def predict_transcripts(outputs: tuple[torch.Tensor, torch.Tensor], labels: RunLabels) -> list[str]:
+    """Transcripts of the model's ``(logits, output lengths)`` by the run's decoder."""
     logits, out_lens = outputs
-    return greedy_transcripts(ctc_log_probs(logits), out_lens, CharTokenizer())
+    decode = make_decoder(labels.decoder, labels.words, labels.beam_size)
+    return decode(ctc_log_probs(logits), out_lens)
 
 
 ASR = Task(

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from recipes.speaker.brain import SpeakerBrain
 from recipes.speaker.model import XVector
-from recipes.task import Task
+from recipes.task import RunLabels, Task
 
 
 def build_xvector(model_cfg: DictConfig, n_mels: int, speakers: tuple[str, ...]) -> torch.nn.Module:
@@ -22,9 +22,9 @@ def build_xvector(model_cfg: DictConfig, n_mels: int, speakers: tuple[str, ...])
     )
 
 
-def predict_speakers(logits: torch.Tensor, speakers: tuple[str, ...]) -> list[str]:
+def predict_speakers(logits: torch.Tensor, labels: RunLabels) -> list[str]:
     """The most likely speaker's name for each utterance of the batch."""
-    return [speakers[i] for i in logits.argmax(dim=-1).tolist()]
+    return [labels.speakers[i] for i in logits.argmax(dim=-1).tolist()]
 
 
 SPEAKER = Task(
