@@ -24,6 +24,7 @@ from recipes import experiment
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
 from recipes.data_setup import build_data
+from recipes.evaluate import evaluate_run
 from recipes.experiment import tensorboard_hparams, train
 from recipes.inference import load_trained
 from tests.recipe_helpers import FAST, compose_config, manifest_config, run_cli
@@ -457,7 +458,8 @@ def plant_letter_model(run: Path, letter: str, runners_up: str = "") -> None:
     """
     checkpoints = Checkpointer(run / "checkpoints")
     best = checkpoints.find_checkpoint(min_key="CER")
-    weights = read_state(best.path / "state.pt")["state"]["module.model"]
+    state = read_state(best.path / "state.pt")["state"]
+    weights = state["module.model"]
     weights["output.weight"].zero_()
     weights["output.bias"].fill_(-10.0)
     weights["output.bias"][CharTokenizer().encode(letter)[0]] = 10.0
@@ -465,8 +467,8 @@ def plant_letter_model(run: Path, letter: str, runners_up: str = "") -> None:
         weights["output.bias"][other] = 5.0
     for ckpt in checkpoints.list_checkpoints():
         shutil.rmtree(ckpt.path)
-    planted = Checkpointer(run / "checkpoints", {"module.model": _StateHolder(weights)})
-    planted.save_checkpoint(meta={"CER": 0.0})
+    planted = Checkpointer(run / "checkpoints", {k: _StateHolder(v) for k, v in state.items()})
+    planted.save_checkpoint(meta={**best.meta, "CER": 0.0})  # the rest of the run's state
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -500,6 +502,38 @@ def test_transcribe_decodes_greedily_when_the_run_did(cli_run, fsdd_recordings, 
     result = run_cli("transcribe.py", [str(run), wav, "--device", "cpu"], fsdd_recordings)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\t")[1].strip() == "z"
+
+
+def test_evaluate_recomputes_the_runs_test_and_writes_nothing_there(cli_run) -> None:
+    before = snapshot(cli_run)
+    saved = json.loads((cli_run / "results.json").read_text())
+    result = evaluate_run(cli_run)
+    assert result["metrics"] == pytest.approx(saved["test_metrics"], rel=1e-6)
+    assert result["tested_checkpoint"] == saved["tested_checkpoint"]
+    assert snapshot(cli_run) == before
+
+
+def test_evaluate_rescores_with_another_decoder(cli_run, fsdd_recordings, tmp_path) -> None:
+    """Every frame says "z" (then e, r, o): the lexicon decoder reads "zero" everywhere (right
+    for the 30 zeros of the 300 test digits), greedy decoding "z" (never right)."""
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    plant_letter_model(run, "z", runners_up="ero")
+    before = snapshot(run)
+    whole_test = "trainer.debug=false"  # the CLI run tested 2 batches only (debug)
+    lexicon = evaluate_run(run, ["model.decoder=lexicon", whole_test])
+    assert lexicon["metrics"]["WER"] == pytest.approx(90.0)
+    out = tmp_path / "greedy.json"
+    args = [str(run), "model.decoder=greedy", whole_test, "--json", str(out)]
+    result = run_cli("evaluate.py", args, fsdd_recordings)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "WER 100.00 %" in result.stdout
+    assert json.loads(out.read_text())["metrics"]["WER"] == pytest.approx(100.0)
+    assert snapshot(run) == before  # the run folder is not written
+    again = run_cli("evaluate.py", args, fsdd_recordings)  # the result file is not rewritten
+    assert again.returncode == 2 and "exists" in again.stderr
+    typo = run_cli("evaluate.py", [str(run), "model.decodr=greedy"], fsdd_recordings)
+    assert typo.returncode == 2 and "model.decodr is not a key" in typo.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

@@ -1,0 +1,111 @@
+"""Test a finished run again, with its own settings or changed ones; the run is not touched.
+
+python recipes/evaluate.py RUN_DIR                          # the run's test, recomputed
+python recipes/evaluate.py RUN_DIR model.decoder=lexicon    # re-score with the lexicon decoder
+python recipes/evaluate.py RUN_DIR precision.eval_precision=bf16 --split valid
+python recipes/evaluate.py RUN_DIR model.decoder=greedy --json greedy.json
+
+It loads the run's resolved config (``config_resolved.yaml``), applies the ``key=value``
+overrides, rebuilds the data and the Brain and tests the checkpoint the run tested (the
+best by the validation metric, or the same average). Nothing in the run folder is written:
+the metrics are printed, and ``--json FILE`` saves them to a new file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from amp_utils import resolve_device
+from amp_utils.atomic import atomic_write_json
+from recipes.asr.decoding import check_lexicon_decoder_available
+from recipes.audio_brain import format_metrics
+from recipes.config import register_resolvers, validate_config
+from recipes.data_setup import build_data
+from recipes.experiment import build_brain
+from recipes.inference import RunNotFoundError, find_run_dir
+from recipes.preflight import USER_ERRORS, run_options
+from recipes.tasks import task_for
+
+SPLITS = ("test", "valid")
+
+
+def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
+    """The run's resolved config with ``key=value`` overrides of keys it already has."""
+    resolved = run_dir / "config_resolved.yaml"
+    if not resolved.is_file():
+        raise RunNotFoundError(f"{run_dir} has no config_resolved.yaml: it is not a run folder of recipes/train.py.")
+    cfg = OmegaConf.load(resolved)
+    if task_for(cfg.model).needs_tokenizer:  # runs from before the lexicon decoder
+        cfg.model.setdefault("decoder", "greedy")  # were tested with best-path decoding
+        cfg.model.setdefault("beam_size", 50)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not a key=value override (e.g. model.decoder=lexicon).")
+        if OmegaConf.select(cfg, key, default=None) is None:
+            raise ValueError(f"{key} is not a key of this run's config (see {resolved}).")
+        OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.from_dotlist([item]), key))
+    return cfg
+
+
+def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str = "test") -> dict:
+    """Test a finished run's tested checkpoint on ``split`` under ``overrides``.
+
+    Returns:
+        ``{"run", "split", "overrides", "metrics", "tested_checkpoint"}``.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not valid; choose one of: {', '.join(SPLITS)}.")
+    run_dir = find_run_dir(run)
+    overrides = list(overrides or [])
+    cfg = run_config(run_dir, overrides)
+    validate_config(cfg)
+    if OmegaConf.select(cfg, "model.decoder") == "lexicon":
+        check_lexicon_decoder_available()
+    cfg.trainer.noprogressbar = True
+    device = resolve_device(run_options(cfg).device)
+    data = build_data(cfg, device)
+    brain = build_brain(cfg, data, run_dir, tensorboard=None)
+    metrics = brain.evaluate_best(getattr(data, split))
+    return {
+        "run": str(run_dir),
+        "split": split,
+        "overrides": overrides,
+        "metrics": metrics,
+        "tested_checkpoint": brain.tested_checkpoint(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the metrics (and save them with ``--json``); returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="run folder (or a checkpoint inside it)")
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value changes, e.g. model.decoder=lexicon"
+    )
+    parser.add_argument("--split", default="test", help="test | valid")
+    parser.add_argument("--json", type=Path, help="also write the result to this new file")
+    args = parser.parse_args(argv)
+    register_resolvers()
+    try:
+        if args.json is not None and args.json.exists():
+            raise FileExistsError(
+                f"{args.json} exists; give a new file (results are never rewritten)."
+            )
+        result: dict[str, Any] = evaluate_run(args.run, args.overrides, args.split)
+    except (*USER_ERRORS, RunNotFoundError, ValueError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{result['run']} {args.split}: {format_metrics(result['metrics'])}")
+    if args.json is not None:
+        atomic_write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
