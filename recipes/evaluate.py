@@ -4,6 +4,7 @@ python recipes/evaluate.py RUN_DIR                          # the run's test, re
 python recipes/evaluate.py RUN_DIR model.decoder=lexicon    # re-score with the lexicon decoder
 python recipes/evaluate.py RUN_DIR precision.eval_precision=bf16 --split valid
 python recipes/evaluate.py RUN_DIR model.decoder=greedy --json greedy.json
+python recipes/evaluate.py multirun/DATE/* model.decoder=lexicon  # each job of a sweep; the mean
 
 It loads the run's resolved config (``config_resolved.yaml``), applies the ``key=value``
 overrides, rebuilds the data and the Brain and tests the checkpoint the run tested (the
@@ -38,7 +39,9 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     """The run's resolved config with ``key=value`` overrides of keys it already has."""
     resolved = run_dir / "config_resolved.yaml"
     if not resolved.is_file():
-        raise RunNotFoundError(f"{run_dir} has no config_resolved.yaml: it is not a run folder of recipes/train.py.")
+        raise RunNotFoundError(
+            f"{run_dir} has no config_resolved.yaml: it is not a run folder of recipes/train.py."
+        )
     cfg = OmegaConf.load(resolved)
     if task_for(cfg.model).needs_tokenizer:  # runs from before the lexicon decoder
         cfg.model.setdefault("decoder", "greedy")  # were tested with best-path decoding
@@ -81,29 +84,62 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     }
 
 
+def split_arguments(items: list[str]) -> tuple[list[str], list[str]]:
+    """Run folders and ``key=value`` overrides, in the order given.
+
+    Existing paths are runs (sweep job folders hold ``=``: ``0_data.test_speakers=[lucas]``).
+    Of several paths (a shell glob such as ``multirun/DATE/*``), those that are not run
+    folders (``summary.md``, the sweep's ``tb/``) are left out.
+    """
+    runs = [item for item in items if Path(item).exists() or "=" not in item]
+    overrides = [item for item in items if item not in runs]
+    if len(runs) > 1:
+        runs = [run for run in runs if (Path(run) / ".hydra" / "config.yaml").is_file()]
+    return runs, overrides
+
+
+def mean_metrics(results: list[dict]) -> dict[str, float]:
+    """The mean of each metric over several runs (e.g. a leave-one-speaker-out sweep)."""
+    keys = results[0]["metrics"].keys()
+    return {key: sum(r["metrics"][key] for r in results) / len(results) for key in keys}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the metrics (and save them with ``--json``); returns the exit code."""
+    """Print the metrics per run (and their mean over several runs); ``--json`` saves them.
+
+    Returns the exit code.
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="run folder (or a checkpoint inside it)")
     parser.add_argument(
-        "overrides", nargs="*", help="key=value changes, e.g. model.decoder=lexicon"
+        "items",
+        nargs="+",
+        metavar="RUN_OR_OVERRIDE",
+        help="run folders (several: e.g. multirun/DATE/*), then key=value changes "
+        "(e.g. model.decoder=lexicon)",
     )
     parser.add_argument("--split", default="test", help="test | valid")
     parser.add_argument("--json", type=Path, help="also write the result to this new file")
     args = parser.parse_args(argv)
     register_resolvers()
+    runs, overrides = split_arguments(args.items)
     try:
+        if not runs:
+            raise RunNotFoundError("No run folder given (e.g. outputs/fsdd_digits/...).")
         if args.json is not None and args.json.exists():
-            raise FileExistsError(
-                f"{args.json} exists; give a new file (results are never rewritten)."
-            )
-        result: dict[str, Any] = evaluate_run(args.run, args.overrides, args.split)
+            raise FileExistsError(f"{args.json} exists; give a new file (nothing is rewritten).")
+        results = [evaluate_run(run, overrides, args.split) for run in runs]
     except (*USER_ERRORS, RunNotFoundError, ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{result['run']} {args.split}: {format_metrics(result['metrics'])}")
+    for result in results:
+        print(f"{result['run']} {args.split}: {format_metrics(result['metrics'])}")
+    saved: dict[str, Any] = results[0]
+    if len(results) > 1:
+        mean = mean_metrics(results)
+        print(f"mean of {len(results)} runs, {args.split}: {format_metrics(mean)}")
+        saved = {"runs": results, "mean_metrics": mean}
     if args.json is not None:
-        atomic_write_json(args.json, result)
+        atomic_write_json(args.json, saved)
     return 0
 
 
