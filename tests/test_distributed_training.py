@@ -170,46 +170,6 @@ def test_single_process_checkpoint_resumes_under_ddp(runs, data_args):
     assert "Resumed from" in (runs["single"] / "train.log").read_text()
 
 
-def test_sigterm_under_torchrun_saves_once_and_resumes(data_args, tmp_path):
-    """torchrun forwards SIGTERM to every rank; they stop after the same batch."""
-    run_dir = tmp_path / "run"
-    args = [
-        *COMMON,
-        *data_args,
-        "trainer.epochs=100",  # far more than it gets to run
-        "trainer.ckpt_interval_minutes=0",
-        "trainer.log_interval_steps=2",  # ranks agree on stopping every 2 steps
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.Popen(
-        recipe_command("train.py", args, nproc=2),
-        cwd=REPO_ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 300
-    while not list((run_dir / "checkpoints").glob("CKPT+*")):  # end of epoch 1
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.2)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=120)[0].decode()
-    assert proc.returncode != 0
-    assert output.count("Run the same command again to resume") == 2, output[-3000:]
-    ckpts = Checkpointer(run_dir / "checkpoints").list_checkpoints()
-    mid_epoch = [c for c in ckpts if c.meta.get("intra_epoch")]
-    assert len(mid_epoch) == 1, "both ranks must save the same single mid-epoch checkpoint"
-    state = read_state(mid_epoch[0].path / "state.pt")["state"]
-    epoch, step = state["epoch_counter"]["current"], state["brain"]["step"]
-    assert step > 0 and step % 2 == 0  # a joint decision point
-
-    run_train([*args[:-1], f"trainer.epochs={epoch + 1}", args[-1]], nproc=2)
-    log = (run_dir / "train.log").read_text()
-    assert f"{step} batches into the epoch" in log
-    assert results(run_dir)["epochs"] == epoch + 1
-
-
 #: A tiny model, so that the interrupted runs below take seconds.
 TINY = [
     "model.d_model=32",
@@ -225,7 +185,11 @@ RESUMED = re.compile(r"Resumed from \S+ \(optimizer step (\d+), (\d+) batches in
 
 def sigterm_in_epoch_2(args: list[str], run_dir: Path) -> dict:
     """Start a 2-process run, SIGTERM it once epoch 1 is checkpointed; returns the state of
-    the mid-epoch checkpoint both ranks saved."""
+    the mid-epoch checkpoint both ranks saved.
+
+    torchrun forwards SIGTERM to every rank: both say how to resume, and they stop after
+    the same batch (a joint decision point) with one checkpoint between them.
+    """
     proc = subprocess.Popen(
         recipe_command("train.py", [*args, f"hydra.run.dir={run_dir}"], nproc=2),
         cwd=REPO_ROOT,
@@ -240,6 +204,7 @@ def sigterm_in_epoch_2(args: list[str], run_dir: Path) -> dict:
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode != 0, "the run ended before the signal stopped it: " + output[-2000:]
+    assert output.count("Run the same command again to resume") == 2, output[-3000:]
     [mid_epoch] = [
         c
         for c in Checkpointer(run_dir / "checkpoints").list_checkpoints()
@@ -248,6 +213,7 @@ def sigterm_in_epoch_2(args: list[str], run_dir: Path) -> dict:
     state = read_state(mid_epoch.path / "state.pt")["state"]
     assert state["epoch_counter"]["current"] == 2 and state["brain"]["world_size"] == 2
     assert state["brain"]["step"] > 0, "stopped at the end of an epoch, not inside one"
+    assert state["brain"]["step"] % 2 == 0  # the ranks decide jointly every 2 steps (TINY)
     return state
 
 
