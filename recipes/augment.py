@@ -11,7 +11,10 @@ CPU), teach it to ignore who is speaking and in what room:
 * **additive noise** at a random signal-to-noise ratio per utterance, white or pink
   (1/f) noise synthesised on the fly: no noise corpus to download.
 
-and on the log-mel features, **SpecAugment** (frequency and time masks).
+and on the log-mel features, **vocal-tract-length perturbation** (VTLP, Jaitly & Hinton
+2013: each utterance's mel axis stretched or squeezed by its own factor, which moves the
+formants as a longer or shorter vocal tract would, without touching pitch or tempo) and
+**SpecAugment** (frequency and time masks).
 
 Gain is not perturbed: the log-mel front end normalises every utterance to zero mean and
 unit variance per mel band, so a gain change does not reach the model.
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 import torchaudio
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def pink_noise(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -142,6 +145,39 @@ class WaveAugment(torch.nn.Module):
         return (wavs.float() + noise * scale * valid).to(wavs.dtype)
 
 
+def vtlp_source_bins(num_bins: int, factors: torch.Tensor, boundary: float = 0.8) -> torch.Tensor:
+    """``[B, num_bins]`` positions on the input mel axis that each output bin reads.
+
+    VTLP's piecewise-linear warp of the frequency axis: ``f -> factor * f`` up to a boundary
+    frequency, then a straight line that maps the top bin to itself, so that no band leaves
+    the axis. This is its inverse, for reading the warped features from the input ones.
+
+    Args:
+        num_bins: mel bins.
+        factors: ``[B]`` warp factors (> 1 moves formants up, as a shorter vocal tract).
+        boundary: share of the axis up to which the warp is a plain scaling.
+    """
+    top = float(num_bins - 1)
+    factors = factors.unsqueeze(1)
+    knee = boundary * top * torch.clamp(1.0 / factors, max=1.0)  # input position of the knee
+    out = torch.arange(num_bins, device=factors.device, dtype=factors.dtype).unsqueeze(0)
+    below = out / factors
+    above = knee + (out - factors * knee) * (top - knee) / (top - factors * knee)
+    return torch.where(out <= factors * knee, below, above).clamp(0.0, top)
+
+
+def vtlp(feats: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``[B, frames, n_mels]`` features with each utterance's mel axis warped by its factor
+    (linear interpolation between neighbouring bins)."""
+    source = vtlp_source_bins(feats.shape[-1], factors.to(torch.float32))
+    low = source.floor().long()
+    high = (low + 1).clamp(max=feats.shape[-1] - 1)
+    weight = (source - low).unsqueeze(1).to(feats.dtype)  # [B, 1, n_mels]
+    index = lambda bins: bins.unsqueeze(1).expand(-1, feats.shape[1], -1)  # noqa: E731
+    gathered_low = feats.gather(2, index(low))
+    return gathered_low + weight * (feats.gather(2, index(high)) - gathered_low)
+
+
 class SpecAugment(torch.nn.Module):
     """Frequency and time masking of ``[B, frames, n_mels]`` features, in training only.
 
@@ -153,6 +189,8 @@ class SpecAugment(torch.nn.Module):
         time_mask: widest time mask, in frames.
         n_freq_masks: number of frequency masks.
         n_time_masks: number of time masks.
+        freq_warp: VTLP's widest warp: factors drawn uniformly from
+            ``[1 - freq_warp, 1 + freq_warp]`` per utterance (0: off), before the masks.
     """
 
     def __init__(
@@ -161,8 +199,12 @@ class SpecAugment(torch.nn.Module):
         time_mask: int = 20,
         n_freq_masks: int = 2,
         n_time_masks: int = 2,
+        freq_warp: float = 0.0,
     ) -> None:
         super().__init__()
+        if not 0.0 <= freq_warp < 0.5:
+            raise ValueError(f"freq_warp must lie in [0, 0.5) (e.g. 0.1); got {freq_warp}.")
+        self.freq_warp = float(freq_warp)
         self.n_freq_masks = n_freq_masks
         self.n_time_masks = n_time_masks
         self.freq_masking = torchaudio.transforms.FrequencyMasking(freq_mask, iid_masks=True)
@@ -172,6 +214,9 @@ class SpecAugment(torch.nn.Module):
         """Masked copy of ``feats`` in training mode; ``feats`` itself in eval mode."""
         if not self.training:
             return feats
+        if self.freq_warp > 0:
+            draws = torch.rand(feats.shape[0], device=feats.device)
+            feats = vtlp(feats, 1.0 + self.freq_warp * (2.0 * draws - 1.0))
         spec = feats.transpose(1, 2).unsqueeze(1)  # [B, 1, n_mels, frames]
         for _ in range(self.n_freq_masks):
             spec = self.freq_masking(spec)
@@ -185,7 +230,13 @@ def build_augment(data_cfg: DictConfig) -> SpecAugment | None:
     aug = data_cfg.spec_augment
     if not aug.enabled:
         return None
-    return SpecAugment(aug.freq_mask, aug.time_mask, aug.n_freq_masks, aug.n_time_masks)
+    return SpecAugment(
+        aug.freq_mask,
+        aug.time_mask,
+        aug.n_freq_masks,
+        aug.n_time_masks,
+        freq_warp=OmegaConf.select(aug, "freq_warp", default=0.0),
+    )
 
 
 def build_wave_augment(data_cfg: DictConfig) -> WaveAugment | None:

@@ -222,6 +222,12 @@ def validate_config(cfg: DictConfig) -> None:
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")
+    warp = OmegaConf.select(cfg, "data.spec_augment.freq_warp", default=0.0)
+    if not 0.0 <= warp < 0.5:
+        raise ConfigError(
+            f"data.spec_augment.freq_warp={warp!r} is not valid; it must be in [0, 0.5) "
+            "(e.g. data.spec_augment.freq_warp=0.1; 0 turns it off)."
+        )
     smoothing = OmegaConf.select(cfg, "model.label_smoothing", default=0.0)
     if not 0.0 <= smoothing < 1.0:
         raise ConfigError(

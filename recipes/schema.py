@@ -132,6 +132,7 @@ class SpecAugmentConfig:
     time_mask: int = 8  # widest time mask (frames); digits last only 30-80 frames
     n_freq_masks: int = 2  # frequency masks per utterance
     n_time_masks: int = 2  # time masks per utterance
+    freq_warp: float = 0.0  # VTLP: widest mel-axis warp per utterance (0.1: 0.9-1.1; 0: off)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from recipes.augment import WaveAugment, pink_noise
+from recipes.augment import SpecAugment, WaveAugment, pink_noise, vtlp, vtlp_source_bins
 
 SR = 8000
 
@@ -92,3 +92,42 @@ def test_bad_settings_fail_with_the_fix() -> None:
         WaveAugment(SR, snr_db=(30.0, 10.0))
     with pytest.raises(ValueError, match="noise_prob"):
         WaveAugment(SR, noise_prob=2.0)
+
+
+def test_vtlp_with_factor_one_is_the_identity() -> None:
+    feats = torch.randn(3, 20, 40)
+    assert torch.equal(vtlp(feats, torch.ones(3)), feats)
+
+
+@pytest.mark.parametrize(("factor", "moved_to"), [(1.2, 12), (0.8, 8)])
+def test_vtlp_moves_a_formant_by_its_factor(factor: float, moved_to: int) -> None:
+    """A peak at bin 10 of 40 (below the knee) lands at 10 x factor: a shorter vocal tract
+    (factor > 1) raises the formants, a longer one lowers them."""
+    feats = torch.zeros(1, 5, 40)
+    feats[..., 10] = 1.0
+    warped = vtlp(feats, torch.tensor([factor]))
+    assert int(warped[0, 0].argmax()) == moved_to
+    assert torch.equal(warped[0, 0], warped[0, 4])  # every frame the same way
+
+
+def test_vtlp_keeps_the_axis_ends_and_order() -> None:
+    factors = torch.tensor([0.7, 0.9, 1.1, 1.3])
+    source = vtlp_source_bins(40, factors)
+    assert torch.all(source[:, 0] == 0) and torch.allclose(source[:, -1], torch.tensor(39.0))
+    assert torch.all(source[:, 1:] >= source[:, :-1])  # no band overtakes another
+
+
+def test_spec_augment_warps_each_utterance_reproducibly_in_training_only() -> None:
+    augment = SpecAugment(freq_mask=0, time_mask=0, n_freq_masks=0, n_time_masks=0, freq_warp=0.2)
+    feats = torch.randn(4, 30, 40)
+    torch.manual_seed(7)
+    first = augment(feats)
+    torch.manual_seed(7)  # the global generator, which checkpoints save
+    assert torch.equal(augment(feats), first)
+    assert all(not torch.equal(first[i], feats[i]) for i in range(4))
+    assert torch.equal(augment.eval()(feats), feats)
+
+
+def test_vtlp_out_of_range_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"freq_warp must lie in \[0, 0.5\)"):
+        SpecAugment(freq_warp=0.6)

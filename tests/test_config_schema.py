@@ -98,3 +98,10 @@ def test_label_smoothing_outside_zero_to_one_is_refused(value):
     cfg = compose_config([*FAST, "model=xvector", f"model.label_smoothing={value}"])
     with pytest.raises(ConfigError, match=r"model.label_smoothing=.* must be in \[0, 1\)"):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("value", [-0.1, 0.5])
+def test_vtlp_warp_outside_its_range_is_refused_before_any_work(value):
+    cfg = compose_config([*FAST, f"data.spec_augment.freq_warp={value}"])
+    with pytest.raises(ConfigError, match=r"data.spec_augment.freq_warp=.* must be in \[0, 0.5\)"):
+        validate_config(cfg)

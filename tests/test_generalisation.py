@@ -63,11 +63,13 @@ def test_wave_augment_is_built_from_the_config_and_keeps_ctc_lengths_right(tmp_p
         fsdd_root,
         "data.wave_augment.speeds=[0.9]",
         "data.wave_augment.noise_prob=1.0",
+        "data.spec_augment.freq_warp=0.1",
     )
     assert "wave_augment" not in build_modules(fast_cfg(tmp_path, fsdd_root), ("s",))
     data = build_data(cfg, torch.device("cpu"))
     brain = build_brain(cfg, data, None, None)
     assert isinstance(brain.modules.wave_augment, WaveAugment)
+    assert brain.modules.augment.freq_warp == 0.1  # VTLP from the config
     batch = next(iter(data.train)).to(brain.device)
     feats, feat_lens = brain.features(batch, Stage.TRAIN)
     # The host copy's lengths follow the speed change: CTC lengths from the host agree
