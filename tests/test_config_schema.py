@@ -77,6 +77,7 @@ def test_every_data_set_gets_the_shared_spec_augment():
             "time_mask": 8,
             "n_freq_masks": 2,
             "n_time_masks": 2,
+            "freq_warp": 0.0,
         }
 
 
