@@ -8,7 +8,9 @@
 #   4. gpu_tests   pytest -m gpu
 # Each part runs under its own time limit inside one deadline; what a part finished is
 # kept. Run from the repo root with the project importable (pip install -e . or
-# PYTHONPATH=.) and FSDD_ROOT set; the parts write into $WORK; $OUT
+# PYTHONPATH=.) and FSDD_ROOT set. The lent GPU machine lacks flashlight-text (the lexicon
+# decoder, a core dependency; the GPU tests train with it): carry its cp312 wheel with
+# ../shared/wheels-py312 (see part 2 for the download command). The parts write into $WORK; $OUT
 # keeps a summary and a tarball of $WORK without checkpoints and event files.
 # The sizes come from the environment so that a CPU dry run (DEVICE=cpu and tiny *_EXTRA
 # overrides) checks the whole script in minutes.
