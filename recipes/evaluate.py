@@ -28,7 +28,7 @@ from recipes.audio_brain import format_metrics
 from recipes.config import register_resolvers, validate_config
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain
-from recipes.inference import RunNotFoundError, find_run_dir
+from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir
 from recipes.preflight import USER_ERRORS, run_options
 from recipes.tasks import task_for
 
@@ -89,12 +89,13 @@ def split_arguments(items: list[str]) -> tuple[list[str], list[str]]:
 
     Existing paths are runs (sweep job folders hold ``=``: ``0_data.test_speakers=[lucas]``).
     Of several paths (a shell glob such as ``multirun/DATE/*``), those that are not run
-    folders (``summary.md``, the sweep's ``tb/``) are left out.
+    folders (``summary.md``, the sweep's ``tb/``, a job stopped before it started training)
+    are left out.
     """
     runs = [item for item in items if Path(item).exists() or "=" not in item]
     overrides = [item for item in items if item not in runs]
     if len(runs) > 1:
-        runs = [run for run in runs if (Path(run) / ".hydra" / "config.yaml").is_file()]
+        runs = [run for run in runs if is_run_dir(Path(run))]
     return runs, overrides
 
 

@@ -24,11 +24,16 @@ class RunNotFoundError(FileNotFoundError):
     """The path is not a run folder (or a checkpoint inside one)."""
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` is a folder that ``recipes/train.py`` ran in (its config and labels)."""
+    return (path / ".hydra" / "config.yaml").is_file() and (path / LABELS_FILE).is_file()
+
+
 def find_run_dir(path: str | Path) -> Path:
     """The run folder for a run folder, its ``checkpoints/`` or one ``CKPT+*`` inside it."""
     path = Path(path).resolve()
     for candidate in (path, path.parent, path.parent.parent):
-        if (candidate / ".hydra" / "config.yaml").is_file() and (candidate / LABELS_FILE).is_file():
+        if is_run_dir(candidate):
             return candidate
     raise RunNotFoundError(
         f"{path} is not a training run folder (no .hydra/config.yaml and {LABELS_FILE} found "

@@ -9,9 +9,11 @@ import pytest
 from recipes.evaluate import main, mean_metrics, split_arguments
 
 
-def make_run(folder: Path) -> str:
+def make_run(folder: Path, started: bool = True) -> str:
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "config.yaml").write_text("{}\n")
+    if started:
+        (folder / "labels.json").write_text("{}\n")
     return str(folder)
 
 
@@ -20,7 +22,8 @@ def test_sweep_job_folders_with_equals_signs_are_runs_and_the_rest_overrides(tmp
     lucas = make_run(tmp_path / "1_data.test_speakers=[lucas]")
     (tmp_path / "summary.md").write_text("")
     (tmp_path / "tb").mkdir()
-    items = [george, lucas, str(tmp_path / "summary.md"), str(tmp_path / "tb")]
+    stopped = make_run(tmp_path / "2_data.test_speakers=[theo]", started=False)
+    items = [george, lucas, str(tmp_path / "summary.md"), str(tmp_path / "tb"), stopped]
     runs, overrides = split_arguments([*items, "model.decoder=lexicon", "trainer.debug=false"])
     assert runs == [george, lucas]  # a glob's files and non-run folders are left out
     assert overrides == ["model.decoder=lexicon", "trainer.debug=false"]
