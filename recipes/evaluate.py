@@ -23,13 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import resolve_device
 from amp_utils.atomic import atomic_write_json
-from recipes.asr.decoding import check_lexicon_decoder_available
 from recipes.audio_brain import format_metrics
-from recipes.config import register_resolvers, validate_config
+from recipes.config import register_resolvers
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain
 from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir
-from recipes.preflight import USER_ERRORS, run_options
+from recipes.preflight import USER_ERRORS, preflight, run_options
 from recipes.tasks import task_for
 
 SPLITS = ("test", "valid")
@@ -67,9 +66,7 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     run_dir = find_run_dir(run)
     overrides = list(overrides or [])
     cfg = run_config(run_dir, overrides)
-    validate_config(cfg)
-    if OmegaConf.select(cfg, "model.decoder") == "lexicon":
-        check_lexicon_decoder_available()
+    preflight(cfg)  # the checks train.py runs: values, decoder back end, device, precision
     cfg.trainer.noprogressbar = True
     device = resolve_device(run_options(cfg).device)
     data = build_data(cfg, device)
