@@ -29,6 +29,7 @@ from recipes.data_setup import build_data
 from recipes.experiment import build_brain
 from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir
 from recipes.preflight import USER_ERRORS, preflight, run_options
+from recipes.task import LEGACY_BEAM_SIZE, LEGACY_DECODER
 from recipes.tasks import task_for
 
 SPLITS = ("test", "valid")
@@ -43,8 +44,8 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
         )
     cfg = OmegaConf.load(resolved)
     if task_for(cfg.model).needs_tokenizer:  # runs from before the lexicon decoder
-        cfg.model.setdefault("decoder", "greedy")  # were tested with best-path decoding
-        cfg.model.setdefault("beam_size", 50)
+        cfg.model.setdefault("decoder", LEGACY_DECODER)  # were tested with best-path decoding
+        cfg.model.setdefault("beam_size", LEGACY_BEAM_SIZE)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:

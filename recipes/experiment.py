@@ -51,6 +51,7 @@ from recipes.data_setup import DataBundle, build_data
 from recipes.modules import build_modules
 from recipes.preflight import preflight, run_options
 from recipes.run_folder import LABELS_FILE, RunFolder, finished_message, finished_results
+from recipes.task import RunLabels
 from recipes.tasks import task_for
 
 logger = logging.getLogger(__name__)
@@ -103,9 +104,7 @@ def build_brain(
         hparams={
             "tokenizer": data.tokenizer,
             "speakers": data.speakers,
-            "words": data.words,
-            "decoder": OmegaConf.select(cfg, "model.decoder", default="greedy"),
-            "beam_size": OmegaConf.select(cfg, "model.beam_size", default=50),
+            "labels": RunLabels.from_config(cfg, data.speakers, data.words),
             "keep_checkpoints": cfg.trainer.keep_checkpoints,
             "average_checkpoints": cfg.trainer.average_checkpoints,
             "label_smoothing": OmegaConf.select(cfg, "model.label_smoothing", default=0.0),

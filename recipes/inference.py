@@ -113,9 +113,4 @@ def run_labels(cfg: DictConfig, labels_json: dict) -> RunLabels:
     Runs from before lexicon decoding have no ``model.decoder`` and no words: they keep
     decoding greedily, as they were tested.
     """
-    return RunLabels(
-        speakers=tuple(labels_json["speakers"]),
-        words=tuple(labels_json.get("words", ())),
-        decoder=str(OmegaConf.select(cfg, "model.decoder", default="greedy")),
-        beam_size=int(OmegaConf.select(cfg, "model.beam_size", default=50)),
-    )
+    return RunLabels.from_config(cfg, labels_json["speakers"], labels_json.get("words", ()))

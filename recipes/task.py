@@ -8,18 +8,24 @@ branches on the task's name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from recipes.audio_brain import AudioBrain
 
 #: ``build_model(model_cfg, n_mels, speakers)``: the task's model for ``n_mels``-bin
 #: features and the run's speaker names (the classes of speaker ID).
 ModelBuilder = Callable[[DictConfig, int, tuple[str, ...]], torch.nn.Module]
+
+#: The decoder of a config without ``model.decoder``: runs from before lexicon decoding were
+#: validated and tested with best-path decoding, and keep it.
+LEGACY_DECODER = "greedy"
+#: ``model.beam_size`` of such a config.
+LEGACY_BEAM_SIZE = 50
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,25 @@ class RunLabels:
 
     speakers: tuple[str, ...]
     words: tuple[str, ...] = field(default=())
-    decoder: str = "greedy"
-    beam_size: int = 50
+    decoder: str = LEGACY_DECODER
+    beam_size: int = LEGACY_BEAM_SIZE
+
+    @classmethod
+    def from_config(
+        cls, cfg: DictConfig, speakers: Sequence[str], words: Sequence[str] = ()
+    ) -> RunLabels:
+        """The labels of a run with config ``cfg``: its decoder settings, else the legacy ones.
+
+        The one place that reads ``model.decoder``/``model.beam_size``: training, inference
+        and ``evaluate.py`` decode alike, and an old run's config (without them) keeps the
+        greedy decoding it was tested with.
+        """
+        return cls(
+            speakers=tuple(speakers),
+            words=tuple(words),
+            decoder=str(OmegaConf.select(cfg, "model.decoder", default=LEGACY_DECODER)),
+            beam_size=int(OmegaConf.select(cfg, "model.beam_size", default=LEGACY_BEAM_SIZE)),
+        )
 
 
 #: ``predict(model_outputs, labels)``: the model's outputs for a batch -> one label each

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from data.text import CharTokenizer
 from recipes.asr.brain import ASRBrain
+from recipes.asr.decoding import LexiconDecoder
 from recipes.speaker.brain import SpeakerBrain
 from recipes.task import RunLabels
 from recipes.tasks import MODEL_TASKS, TASKS, UnknownTaskError, get_task, task_for
@@ -43,6 +44,24 @@ def test_predictions_are_labels() -> None:
     ids = torch.tensor([[2, 2, 0, 3, 0]])
     logits = torch.nn.functional.one_hot(ids, CharTokenizer().vocab_size).float() * 10
     assert get_task("asr").predict((logits, torch.tensor([5])), labels) == ["ab"]
+
+
+def test_run_labels_read_the_decoder_from_the_config_and_keep_greedy_for_old_runs() -> None:
+    """One reader of ``model.decoder``: a run's config decides; an old config (from before
+    lexicon decoding) keeps the greedy decoding its run was tested with, in training,
+    inference and evaluate.py alike."""
+    words = ("one", "two")
+    new = OmegaConf.create({"model": {"decoder": "lexicon", "beam_size": 7}})
+    labels = RunLabels.from_config(new, ["george"], words)
+    assert labels == RunLabels(("george",), words, "lexicon", 7)
+    old = OmegaConf.create({"model": {"name": "conformer_ctc"}})
+    assert RunLabels.from_config(old, ["george"], words).decoder == "greedy"
+    # The ASR Brain decodes with the labels it is given; without any, greedily.
+    brain = ASRBrain.__new__(ASRBrain)
+    brain.hparams = type("H", (), {"labels": labels})()
+    assert isinstance(brain.decode, LexiconDecoder)
+    brain.hparams = type("H", (), {})()
+    assert not isinstance(brain.decode, LexiconDecoder)
 
 
 class _Batch:

@@ -11,13 +11,15 @@ from data.dataset import AudioBatch
 from recipes.asr.decoding import Decoder, make_decoder
 from recipes.asr.model import ctc_log_probs, ctc_loss
 from recipes.audio_brain import AudioBrain
+from recipes.task import RunLabels
 
 
 class ASRBrain(AudioBrain):
     """Character CTC recognizer; the best checkpoint is the one with the lowest CER.
 
-    Validation and test transcripts come from ``hparams.decoder`` (``greedy`` or
-    ``lexicon`` over ``hparams.words``, the training transcripts' words; default greedy).
+    Validation and test transcripts come from ``hparams.labels`` (a ``RunLabels``): its
+    decoder (``greedy`` or ``lexicon`` over the training transcripts' words); without
+    labels, greedy.
     """
 
     metric_key = "CER"
@@ -56,12 +58,8 @@ class ASRBrain(AudioBrain):
     @property
     def decode(self) -> Decoder:
         """The run's transcript decoder (``model.decoder``), built on first use."""
-        hparams = self.hparams
-        return make_decoder(
-            getattr(hparams, "decoder", "greedy"),
-            tuple(getattr(hparams, "words", ())),
-            int(getattr(hparams, "beam_size", 50)),
-        )
+        labels: RunLabels = getattr(self.hparams, "labels", RunLabels(speakers=()))
+        return make_decoder(labels.decoder, labels.words, labels.beam_size)
 
     def reset_metrics(self, stage: Stage) -> None:
         self.char_edits = self.char_total = self.word_edits = self.word_total = 0
