@@ -72,7 +72,9 @@ class WaveAugment(torch.nn.Module):
                 f"speeds must be positive factors such as [0.9, 1.0, 1.1]; got {speeds}."
             )
         if not 0.0 <= noise_prob <= 1.0 or not 0.0 <= pink_share <= 1.0:
-            raise ValueError("noise_prob and pink_share must lie in [0, 1].")
+            raise ValueError(
+                f"noise_prob and pink_share must lie in [0, 1]; got {noise_prob} and {pink_share}."
+            )
         if len(snr_db) != 2 or snr_db[0] > snr_db[1]:
             raise ValueError(
                 f"snr_db must be [low, high] in dB with low <= high; got {list(snr_db)}."
@@ -203,7 +205,9 @@ class SpecAugment(torch.nn.Module):
     ) -> None:
         super().__init__()
         if not 0.0 <= freq_warp < 0.5:
-            raise ValueError(f"freq_warp must lie in [0, 0.5) (e.g. 0.1); got {freq_warp}.")
+            raise ValueError(
+                f"freq_warp must lie in [0, 0.5) (e.g. 0.1; 0 turns it off); got {freq_warp}."
+            )
         self.freq_warp = float(freq_warp)
         self.n_freq_masks = n_freq_masks
         self.n_time_masks = n_time_masks

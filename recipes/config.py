@@ -22,6 +22,7 @@ from amp_utils.distributed import BACKENDS
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name
 from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
+from recipes.augment import build_augment, build_wave_augment
 from recipes.schema import schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
@@ -168,6 +169,15 @@ def check_known_keys(node: DictConfig, where: str = "") -> None:
             check_known_keys(child, f"{where}{key}.")
 
 
+def _check_augmentation(data_cfg: DictConfig) -> None:
+    """Build the augmentation modules once: their constructors are the one check of their values."""
+    for group, build in (("spec_augment", build_augment), ("wave_augment", build_wave_augment)):
+        try:
+            build(data_cfg)
+        except ValueError as err:
+            raise ConfigError(f"data.{group}: {err}") from None
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Check what the schema's types cannot; raises ConfigError on the first bad value.
 
@@ -222,12 +232,7 @@ def validate_config(cfg: DictConfig) -> None:
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")
-    warp = OmegaConf.select(cfg, "data.spec_augment.freq_warp", default=0.0)
-    if not 0.0 <= warp < 0.5:
-        raise ConfigError(
-            f"data.spec_augment.freq_warp={warp!r} is not valid; it must be in [0, 0.5) "
-            "(e.g. data.spec_augment.freq_warp=0.1; 0 turns it off)."
-        )
+    _check_augmentation(cfg.data)
     smoothing = OmegaConf.select(cfg, "model.label_smoothing", default=0.0)
     if not 0.0 <= smoothing < 1.0:
         raise ConfigError(

@@ -101,8 +101,29 @@ def test_label_smoothing_outside_zero_to_one_is_refused(value):
         validate_config(cfg)
 
 
-@pytest.mark.parametrize("value", [-0.1, 0.5])
-def test_vtlp_warp_outside_its_range_is_refused_before_any_work(value):
-    cfg = compose_config([*FAST, f"data.spec_augment.freq_warp={value}"])
-    with pytest.raises(ConfigError, match=r"data.spec_augment.freq_warp=.* must be in \[0, 0.5\)"):
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "data.spec_augment.freq_warp=-0.1",
+            r"data.spec_augment: freq_warp must lie in \[0, 0.5\)",
+        ),
+        ("data.spec_augment.freq_warp=0.5", r"data.spec_augment: freq_warp must lie in \[0, 0.5\)"),
+        (
+            "data.wave_augment.noise_prob=1.5",
+            r"data.wave_augment: noise_prob .* must lie in \[0, 1\]",
+        ),
+        (
+            "data.wave_augment.pink_share=-1",
+            r"data.wave_augment: noise_prob .* pink_share .*got 0.0 and -1",
+        ),
+        ("data.wave_augment.snr_db=[30,10]", r"data.wave_augment: snr_db must be \[low, high\]"),
+        ("data.wave_augment.speeds=[0.9,0]", r"data.wave_augment: speeds must be positive"),
+        ("data.wave_augment.speeds=[]", r"data.wave_augment: speeds must be positive"),
+    ],
+)
+def test_augmentation_values_outside_their_range_are_refused_before_any_work(override, message):
+    """The augmentation modules' own checks run in ``validate_config``, named by group."""
+    cfg = compose_config([*FAST, override])
+    with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
