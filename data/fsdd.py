@@ -22,6 +22,7 @@ import torch
 from data.audio import audio_info
 from data.errors import DataError, DatasetNotFoundError
 from data.manifest import Utterance, write_manifest
+from data.synthetic_voices import synthetic_digit_utterances
 from data.text import DIGIT_WORDS
 
 FSDD_VERSION = "1.0.10"
@@ -268,6 +269,8 @@ def prepare_fsdd_digits(
     out_dir: str | Path,
     download: bool = True,
     test_speakers: Sequence[str] = (),
+    synthetic_voices: int = 0,
+    sample_rate: int = 8000,
 ) -> dict[str, Path]:
     """Write ``train/valid/test.csv`` manifests of single FSDD digits into ``out_dir``.
 
@@ -281,16 +284,26 @@ def prepare_fsdd_digits(
         download: allow downloading FSDD if it is not under ``root``.
         test_speakers: speakers held out for testing (see ``split_fsdd``); empty: the
             official split.
+        synthetic_voices: text-to-speech voices whose ten digits join the training split
+            (``data/synthetic_voices.py``; their audio is cached in ``out_dir``); 0: none.
+        sample_rate: sample rate of the synthesized audio.
 
     Returns:
         Manifest path per split.
     """
     recordings = ensure_fsdd(root, download=download)
     out_dir = Path(out_dir)
+    splits = split_fsdd(fsdd_utterances(recordings), test_speakers)
+    if synthetic_voices:
+        splits["train"] += synthetic_digit_utterances(
+            synthetic_voices, out_dir / "synthetic_voices", sample_rate
+        )
     if test_speakers:
         out_dir = out_dir / f"test_speakers={','.join(sorted(test_speakers))}"
+    if synthetic_voices:
+        out_dir = out_dir / f"synthetic_voices={synthetic_voices}"
     paths = {}
-    for split, utterances in split_fsdd(fsdd_utterances(recordings), test_speakers).items():
+    for split, utterances in splits.items():
         paths[split] = out_dir / f"{split}.csv"
         write_manifest(paths[split], utterances)
     return paths

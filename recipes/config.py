@@ -196,6 +196,14 @@ def validate_config(cfg: DictConfig) -> None:
         task = task_for(cfg.model)
     except UnknownTaskError as err:
         raise ConfigError(str(err)) from None
+    if OmegaConf.select(cfg, "data.synthetic_voices", default=0):
+        _positive(cfg, "data.synthetic_voices", integer=True)
+        if cfg.data.name != "fsdd_digits" or task.closed_set_speakers:
+            raise ConfigError(
+                "data.synthetic_voices works with data=fsdd_digits and an ASR model only "
+                f"(got data={cfg.data.name}, model={cfg.model.name}); speaker ID can only "
+                "name the speakers it is tested on. Use data.synthetic_voices=0."
+            )
     if OmegaConf.select(cfg, "data.test_speakers"):
         if cfg.data.name != "fsdd_digits":
             raise ConfigError(

@@ -68,6 +68,7 @@ def data_record(
         "name": str(data_cfg.name),
         "root": str(Path(root).resolve()) if root is not None else None,
         "test_speakers": sorted(OmegaConf.select(data_cfg, "test_speakers") or []),
+        "synthetic_voices": int(OmegaConf.select(data_cfg, "synthetic_voices", default=0) or 0),
         "manifests": {split: str(Path(path).resolve()) for split, path in manifests.items()},
         "splits": {
             split: {
@@ -87,6 +88,8 @@ def prepare_manifests(data_cfg: DictConfig) -> dict[str, Path]:
             data_cfg.prepared_dir,
             download=data_cfg.download,
             test_speakers=list(data_cfg.get("test_speakers") or []),
+            synthetic_voices=int(data_cfg.get("synthetic_voices") or 0),
+            sample_rate=data_cfg.sample_rate,
         )
     if data_cfg.name == "fsdd_connected":
         return prepare_connected_digits(

@@ -26,6 +26,7 @@ from amp_utils import (
 from amp_utils.module_precision import UnknownModulePatternError
 from amp_utils.precision import check_precision_supported, resolve_precision
 from data.errors import DataError
+from data.synthetic_voices import check_synthesizers, draw_voices
 from recipes.asr.decoding import DecoderUnavailableError, check_lexicon_decoder_available
 from recipes.config import ConfigError, validate_config
 from recipes.tasks import UnknownTaskError, task_for
@@ -96,6 +97,8 @@ def preflight(cfg: DictConfig) -> None:
     validate_config(cfg)
     if OmegaConf.select(cfg, "model.decoder") == "lexicon":
         check_lexicon_decoder_available()
+    if OmegaConf.select(cfg, "data.synthetic_voices", default=0):
+        check_synthesizers(draw_voices(cfg.data.synthetic_voices))
     check_sweep_direction(cfg, _sweeper_direction())
     opts = run_options(cfg)
     device = resolve_device(opts.device)

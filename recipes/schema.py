@@ -176,6 +176,7 @@ class FsddDigitsConfig(DataConfig):
             "[]: the official split)"
         },
     )
+    synthetic_voices: int = MISSING  # TTS voices whose ten digits join the training split
 
 
 @dataclass
