@@ -3,11 +3,15 @@ keys, bad choices and wrongly typed values are refused while composing, naming t
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from data.synthetic_voices import SynthesizerUnavailableError
 from recipes.config import CONF_DIR, ConfigError, validate_config
+from recipes.preflight import USER_ERRORS, preflight
 from recipes.schema import Precision
 from tests.recipe_helpers import FAST, compose_config
 
@@ -127,3 +131,26 @@ def test_augmentation_values_outside_their_range_are_refused_before_any_work(ove
     cfg = compose_config([*FAST, override])
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.synthetic_voices=-1"], "data.synthetic_voices"),
+        (["model=xvector", "data.synthetic_voices=5"], "works with data=fsdd_digits and an ASR"),
+        (["data=fsdd_connected", "data.synthetic_voices=5"], "got data=fsdd_connected"),
+    ],
+)
+def test_synthetic_voices_where_they_cannot_work_are_refused(overrides, message):
+    cfg = compose_config([*FAST, *overrides])
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
+
+
+def test_synthetic_voices_without_the_engines_are_refused_before_any_work(monkeypatch):
+    """The missing engines and the install command, in one line, before data is prepared."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cfg = compose_config([*FAST, "device=cpu", "data.synthetic_voices=10"])
+    with pytest.raises(SynthesizerUnavailableError, match="apt-get install") as err:
+        preflight(cfg)
+    assert isinstance(err.value, USER_ERRORS)
