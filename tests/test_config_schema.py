@@ -98,6 +98,16 @@ def test_gpu_experiment_composes():
     assert cfg.model.name == "conformer_ctc_m" and cfg.data.num_train == 50000
 
 
+def test_new_voices_experiment_is_the_measured_augmentation():
+    """The held-out-speaker sweep's settings (README "New voices"), on the ASR recipe."""
+    cfg = compose_config(["experiment=new_voices", "data.test_speakers=[lucas]"])
+    validate_config(cfg)
+    assert cfg.model.name == "conformer_ctc" and cfg.data.name == "fsdd_digits"
+    assert list(cfg.data.wave_augment.speeds) == [0.9, 1.0, 1.1]
+    assert cfg.data.wave_augment.noise_prob == 0.5 and cfg.data.spec_augment.freq_warp == 0.1
+    assert cfg.data.synthetic_voices == 0  # needs engines a fresh machine may lack
+
+
 @pytest.mark.parametrize("value", [-0.1, 1.0])
 def test_label_smoothing_outside_zero_to_one_is_refused(value):
     cfg = compose_config([*FAST, "model=xvector", f"model.label_smoothing={value}"])
