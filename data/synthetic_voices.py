@@ -66,8 +66,6 @@ VOICE_SEED = 20261123
 TRIM_THRESHOLD = 0.02
 TRIM_MARGIN_SECONDS = 0.02
 
-ENGINE_PACKAGES = {"espeak-ng": "espeak-ng", "flite": "flite"}
-
 
 class SynthesizerUnavailableError(DataError):
     """A text-to-speech engine that ``data.synthetic_voices`` needs is not installed."""
@@ -137,10 +135,9 @@ def check_synthesizers(voices: Sequence[SyntheticVoice]) -> None:
     """
     missing = sorted({v.engine for v in voices if shutil.which(v.engine) is None})
     if missing:
-        packages = " ".join(ENGINE_PACKAGES[engine] for engine in missing)
         raise SynthesizerUnavailableError(
             f"data.synthetic_voices needs the text-to-speech engine(s) {', '.join(missing)}, "
-            f"which are not installed. Fix: `sudo apt-get install {packages}` "
+            f"which are not installed. Fix: `sudo apt-get install {' '.join(missing)}` "
             "(Debian/Ubuntu), or data.synthetic_voices=0."
         )
 

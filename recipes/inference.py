@@ -90,7 +90,8 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
     averaged checkpoints for its test, the same average)."""
     run_dir = find_run_dir(path)
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    labels = run_labels(cfg, json.loads((run_dir / LABELS_FILE).read_text()))
+    labels_json = json.loads((run_dir / LABELS_FILE).read_text())
+    labels = RunLabels.from_config(cfg, labels_json["speakers"], labels_json.get("words", ()))
     speakers = labels.speakers
     dev = resolve_device(device)
     amp = AMPConfig.from_name(precision)
@@ -105,12 +106,3 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
     if num_averaged > 1:  # the weights the run was tested with
         ckpt.load_averaged(ckpt.find_best_checkpoints(num_averaged, **key), ["module.model"])
     return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), labels, dev, amp)
-
-
-def run_labels(cfg: DictConfig, labels_json: dict) -> RunLabels:
-    """A run's labels (its ``labels.json``) and decoding settings (its config).
-
-    Runs from before lexicon decoding have no ``model.decoder`` and no words: they keep
-    decoding greedily, as they were tested.
-    """
-    return RunLabels.from_config(cfg, labels_json["speakers"], labels_json.get("words", ()))
