@@ -251,18 +251,27 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _wait(row: dict[str, Any]) -> str:
+    """``mean (max)`` host wait for the next batch, in ms; ``—`` where not measured."""
+    if row.get("wait_ms_mean") is None:
+        return "—"
+    return f"{row['wait_ms_mean']:.1f} ({row['wait_ms_max']:.1f})"
+
+
 def summarize(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the measurements, with the ratios the targets are stated in.
 
     ``vs fp32`` and ``vs tf32`` compare with the same mode in fp32 (TF32 off / on);
     ``Brain/bare`` the Brain with the bare loop, ``loader/staged`` streamed with pre-staged
     real batches, ``ours/peer`` our Brain with a peer toolkit's loop (same precision).
+    ``wait ms`` is the host's mean (max) time per step blocked on the next batch: what
+    separates a loader that cannot keep up from a slow step (peers: synthetic batches, no wait).
     """
     by_mode = {(r["mode"], _variant(r)): r for r in rows}
     lines = [
         "| mode | precision | steps/s | utt/s | audio-s/s | p50 ms | p90 ms | peak MB | "
-        "TFLOP/s | MFU | vs fp32 | vs tf32 | Brain/bare | loader/staged | ours/peer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "TFLOP/s | MFU | vs fp32 | vs tf32 | Brain/bare | loader/staged | ours/peer | wait ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name, mode = _variant(r), r["mode"]
@@ -278,7 +287,7 @@ def summarize(rows: list[dict[str, Any]]) -> str:
             f"{r['peak_memory_mb']:.0f} | {_fmt(r.get('tflops'), '.1f')} | "
             f"{_fmt(None if mfu is None else 100 * mfu, '.1f')}{'' if mfu is None else ' %'} | "
             f"{_ratio(r, fp32)} | {_ratio(r, tf32)} | {brain_bare} | {loader_staged} | "
-            f"{ours_peer} |"
+            f"{ours_peer} | {_wait(r)} |"
         )
     return "\n".join(lines)
 

@@ -40,7 +40,10 @@ def time_steps(
 
     ``size(batch)`` gives a batch's utterances, audio seconds and shape (``AudioBatch`` by
     default). The result adds ``shapes`` to :func:`step_stats`: the timed batches' shapes
-    (for counting FLOPs afterwards).
+    (for counting FLOPs afterwards), and ``wait_ms_mean``/``wait_ms_max``: the host's time
+    blocked in ``next(batches)`` per timed step. When a DataLoader cannot keep up, the wait
+    says so directly (a slow step with no wait is the device's; with a long wait, the
+    loader's, e.g. workers refilling at an epoch boundary).
     """
     cuda = device.type == "cuda"
     for _ in range(warmup):
@@ -51,9 +54,12 @@ def time_steps(
     marks: list[Any] = []
     shapes: list[tuple[int, ...]] = []
     utterances, audio_s = 0, 0.0
+    waits: list[float] = []
     start = time.perf_counter()
     for _ in range(steps):
+        asked = time.perf_counter()
         batch = next(batches)
+        waits.append(time.perf_counter() - asked)
         count, seconds, shape = size(batch)
         utterances, audio_s = utterances + count, audio_s + seconds
         shapes.append(shape)
@@ -74,7 +80,12 @@ def time_steps(
         marks.append(time.perf_counter())
         per_step = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     total = time.perf_counter() - start
-    return {**step_stats(per_step, total, utterances, audio_s, device), "shapes": shapes}
+    return {
+        **step_stats(per_step, total, utterances, audio_s, device),
+        "wait_ms_mean": 1e3 * statistics.fmean(waits),
+        "wait_ms_max": 1e3 * max(waits),
+        "shapes": shapes,
+    }
 
 
 def step_stats(

@@ -28,7 +28,7 @@ def test_summary_ratios():
         row("bare", "fp32", 100),
         row("brain", "fp32", 95),
         row("staged", "fp32", 100),
-        row("loader", "fp32", 95),
+        {**row("loader", "fp32", 95), "wait_ms_mean": 1.25, "wait_ms_max": 20.0},
         row("bare", "fp32", 120, tf32=True),
         row("bare", "bf16", 200),
         row("brain", "bf16", 196),
@@ -37,16 +37,24 @@ def test_summary_ratios():
     ]
     lines = summarize(rows).splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header[10:] == ["vs fp32", "vs tf32", "Brain/bare", "loader/staged", "ours/peer"]
+    assert header[10:] == [
+        "vs fp32",
+        "vs tf32",
+        "Brain/bare",
+        "loader/staged",
+        "ours/peer",
+        "wait ms",
+    ]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    assert cells[0][1] == "fp32" and cells[0][10:] == ["1.00", "0.83", "—", "—", "—"]
-    assert cells[1][10:] == ["1.00", "—", "0.95", "—", "—"]  # Brain/bare
-    assert cells[2][10:] == ["1.00", "—", "—", "—", "—"]
-    assert cells[3][10:] == ["1.00", "—", "—", "0.95", "—"]  # loader/staged: same batches
+    assert cells[0][1] == "fp32" and cells[0][10:] == ["1.00", "0.83", "—", "—", "—", "—"]
+    assert cells[1][10:15] == ["1.00", "—", "0.95", "—", "—"]  # Brain/bare
+    assert cells[2][10:15] == ["1.00", "—", "—", "—", "—"]
+    assert cells[3][10:15] == ["1.00", "—", "—", "0.95", "—"]  # loader/staged: same batches
+    assert cells[3][15] == "1.2 (20.0)"  # the loader's mean (max) wait per step
     assert cells[4][1] == "fp32+tf32" and cells[4][10:12] == ["1.20", "1.00"]
     assert cells[5][10:12] == ["2.00", "1.67"]  # bf16 against fp32 and against TF32
     assert cells[6][10:13] == ["2.06", "—", "0.98"]
-    assert cells[7][10:] == ["—", "—", "—", "—", "2.00"]  # ours (brain bf16) / SpeechBrain
+    assert cells[7][10:15] == ["—", "—", "—", "—", "2.00"]  # ours (brain bf16) / SpeechBrain
     assert cells[8][8:10] == ["12.3", "1.2 %"] and cells[0][8:10] == ["—", "—"]
 
 
@@ -122,3 +130,29 @@ def test_time_steps_counts_only_the_timed_steps_of_any_batch_kind():
     assert seen == [0, 1, 2, 3, 4]
     assert stats["steps"] == 3 and stats["utterances"] == 2 + 3 + 4
     assert stats["audio_seconds"] == 1.5 and stats["shapes"] == [(2,), (3,), (4,)]
+
+
+def test_time_steps_reports_the_wait_for_a_late_batch():
+    """A batch the iterator is slow to give shows as host wait, apart from the step times
+    (which include it: what training sees)."""
+    import time
+
+    from recipes.step_timing import time_steps
+
+    def batches():
+        for n in range(4):
+            if n == 2:
+                time.sleep(0.05)  # a loader refilling its workers
+            yield {"n": n}
+
+    stats = time_steps(
+        lambda b: None,
+        batches(),
+        warmup=1,
+        steps=3,
+        device=torch.device("cpu"),
+        size=lambda b: (1, 0.0, (1,)),
+    )
+    assert stats["wait_ms_max"] >= 50.0
+    assert stats["wait_ms_mean"] == pytest.approx(stats["wait_ms_max"] / 3, rel=0.2)
+    assert stats["p90_step_ms"] >= 50.0 and stats["p50_step_ms"] < 50.0  # one slow step
