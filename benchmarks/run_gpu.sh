@@ -21,7 +21,9 @@ DEVICE=${DEVICE:-cuda}
 DEADLINE=${DEADLINE:-840}          # seconds for the whole script
 BENCH_STEPS=${BENCH_STEPS:-20}     # timed steps per benchmark row
 M_BATCH=${M_BATCH:-96}             # synthetic batch of the Conformer-M benchmark (x 4 s)
-BENCH_UTTS=${BENCH_UTTS:-3000}     # generated training utterances behind the benchmark's real batches
+BENCH_UTTS=${BENCH_UTTS:-8000}     # generated training utterances behind the benchmark's real batches
+                                   # (~40 batches an epoch: the warm-up and timed steps stay inside one
+                                   # epoch, as most of training's 330-step epochs do; 3000 gave ~15)
 TRAIN_UTTS=${TRAIN_UTTS:-20000}    # generated training utterances of the sweep (~14 h)
 TRAIN_BATCH=${TRAIN_BATCH:-100}    # data.max_batch_seconds of the sweep (x 2 on CUDA)
 TRAIN_EPOCHS=${TRAIN_EPOCHS:-2}    # epochs of each sweep run
