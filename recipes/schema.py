@@ -101,6 +101,7 @@ class ConformerConfig(ModelConfig):
     subsampling: int = MISSING  # time reduction of the conv front end
     decoder: str = MISSING  # greedy (best path) | lexicon (beam search over training words)
     beam_size: int = MISSING  # hypotheses kept per frame by the lexicon decoder
+    average_checkpoints: int = 1  # default trainer.average_checkpoints for this model
 
 
 @dataclass

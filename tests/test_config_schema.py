@@ -108,6 +108,22 @@ def test_new_voices_experiment_is_the_measured_augmentation():
     assert cfg.data.synthetic_voices == 0  # needs engines a fresh machine may lack
 
 
+@pytest.mark.parametrize(
+    ("overrides", "averaged"),
+    [
+        ([], 3),  # the ASR recipe tests the average of its 3 best checkpoints (README)
+        (["model=xvector"], 1),  # speaker ID: averaging measured within one utterance, off
+        (["model=conformer_ctc_m"], 1),  # not measured
+        (["trainer.average_checkpoints=5"], 5),  # the command line wins
+        (["model.average_checkpoints=2"], 2),
+    ],
+)
+def test_checkpoint_averaging_defaults_to_the_models_measured_choice(overrides, averaged):
+    cfg = compose_config([*overrides, "output_dir=unused"])
+    validate_config(cfg)
+    assert cfg.trainer.average_checkpoints == averaged
+
+
 @pytest.mark.parametrize("value", [-0.1, 1.0])
 def test_label_smoothing_outside_zero_to_one_is_refused(value):
     cfg = compose_config([*FAST, "model=xvector", f"model.label_smoothing={value}"])
