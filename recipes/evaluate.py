@@ -85,16 +85,23 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
 def split_arguments(items: list[str]) -> tuple[list[str], list[str]]:
     """Run folders and ``key=value`` overrides, in the order given.
 
-    Existing paths are runs (sweep job folders hold ``=``: ``0_data.test_speakers=[lucas]``).
-    Of several paths (a shell glob such as ``multirun/DATE/*``), those that are not run
-    folders (``summary.md``, the sweep's ``tb/``, a job stopped before it started training)
-    are left out.
+    Existing paths are runs (sweep job folders hold ``=``: ``0_data.test_speakers=[lucas]``),
+    and so is an item with a ``/`` before its ``=``: a missing run, reported as such rather
+    than taken for an override. Of several existing paths (a shell glob such as
+    ``multirun/DATE/*``), those that are not run folders (``summary.md``, the sweep's ``tb/``,
+    a job stopped before it started training) are left out.
     """
-    runs = [item for item in items if Path(item).exists() or "=" not in item]
+    runs = [item for item in items if Path(item).exists() or not _is_override(item)]
     overrides = [item for item in items if item not in runs]
     if len(runs) > 1:
-        runs = [run for run in runs if is_run_dir(Path(run))]
+        runs = [run for run in runs if not Path(run).exists() or is_run_dir(Path(run))]
     return runs, overrides
+
+
+def _is_override(item: str) -> bool:
+    """``key=value``, and not a path that is missing (``runs/0_data.test_speakers=[x]``)."""
+    key, sep, _ = item.partition("=")
+    return bool(sep) and "/" not in key
 
 
 def mean_metrics(results: list[dict]) -> dict[str, float]:
@@ -124,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not runs:
             raise RunNotFoundError("No run folder given (e.g. outputs/fsdd_digits/...).")
+        missing = [run for run in runs if not Path(run).exists()]
+        if missing:
+            raise RunNotFoundError(
+                f"{missing[0]} does not exist (relative paths are read from {Path.cwd()}). "
+                "Pass the folder that recipes/train.py wrote."
+            )
         if args.json is not None and args.json.exists():
             raise FileExistsError(f"{args.json} exists; give a new file (nothing is rewritten).")
         results = [evaluate_run(run, overrides, args.split) for run in runs]

@@ -29,6 +29,14 @@ def test_sweep_job_folders_with_equals_signs_are_runs_and_the_rest_overrides(tmp
     assert overrides == ["model.decoder=lexicon", "trainer.debug=false"]
 
 
+def test_a_missing_sweep_job_folder_is_a_run_not_an_override(tmp_path) -> None:
+    missing = str(tmp_path / "elsewhere" / "0_data.test_speakers=[george]")
+    assert split_arguments([missing, "model.decoder=greedy"]) == (
+        [missing],
+        ["model.decoder=greedy"],
+    )
+
+
 def test_a_single_path_stays_a_run_even_when_it_is_not_one(tmp_path) -> None:
     """One folder that is not a run is not silently dropped: evaluating it fails clearly."""
     assert split_arguments([str(tmp_path), "model.decoder=greedy"]) == (
@@ -46,7 +54,13 @@ def test_mean_metrics_average_each_metric() -> None:
     ("args", "message"),
     [
         (["model.decoder=lexicon"], "No run folder given"),
-        (["/nonexistent/run"], "not a training run folder"),
+        (["/nonexistent/run"], "/nonexistent/run does not exist"),
+        # A sweep job folder given from the wrong directory: a missing run, not an override.
+        (["runs/0_data.test_speakers=[george]"], "0_data.test_speakers=[george] does not exist"),
+        (
+            ["runs/0_data.test_speakers=[george]", "runs/1_data.test_speakers=[lucas]"],
+            "0_data.test_speakers=[george] does not exist",
+        ),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_code_2(args, message, capsys) -> None:
