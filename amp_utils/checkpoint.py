@@ -254,12 +254,14 @@ class Checkpointer:
         max_keys: Iterable[str] | None = None,
         predicate: Callable[[Checkpoint], bool] | None = None,
         num_best: int = 1,
+        num_last_epochs: int = 0,
     ) -> Checkpoint | None:
         """Save, then delete all but the ``num_to_keep`` most recent and the best ones.
 
         The ``num_best`` best checkpoints for each key in ``min_keys`` (lowest values) and
-        ``max_keys`` (highest values) are always kept, whatever their age (more than one
-        for checkpoint averaging). With ``predicate``, only the checkpoints it accepts are
+        ``max_keys`` (highest values) are always kept, whatever their age, and so are the
+        ``num_last_epochs`` most recent end-of-epoch ones (more than one of either for
+        checkpoint averaging). With ``predicate``, only the checkpoints it accepts are
         candidates for deletion.
         """
         ckpt = self.save_checkpoint(meta=meta, end_of_epoch=end_of_epoch)
@@ -269,6 +271,7 @@ class Checkpointer:
             max_keys=max_keys,
             predicate=predicate,
             num_best=num_best,
+            num_last_epochs=num_last_epochs,
         )
         return ckpt
 
@@ -279,13 +282,16 @@ class Checkpointer:
         max_keys: Iterable[str] | None = None,
         predicate: Callable[[Checkpoint], bool] | None = None,
         num_best: int = 1,
+        num_last_epochs: int = 0,
     ) -> None:
         """Delete checkpoints that are neither among the most recent nor the best.
 
         Under DDP rank 0 deletes; all ranks return once it is done.
         """
         if is_main_process():
-            self._delete_all_but(num_to_keep, min_keys, max_keys, predicate, num_best)
+            self._delete_all_but(
+                num_to_keep, min_keys, max_keys, predicate, num_best, num_last_epochs
+            )
         ddp_barrier()
 
     def _delete_all_but(
@@ -295,11 +301,14 @@ class Checkpointer:
         max_keys: Iterable[str] | None,
         predicate: Callable[[Checkpoint], bool] | None,
         num_best: int = 1,
+        num_last_epochs: int = 0,
     ) -> None:
         ckpts = self.list_checkpoints(verify=False)
         if predicate is not None:
             ckpts = [c for c in ckpts if predicate(c)]
         keep = {c.path for c in ckpts[-num_to_keep:]} if num_to_keep > 0 else set()
+        if num_last_epochs > 0:
+            keep.update(c.path for c in [c for c in ckpts if c.end_of_epoch][-num_last_epochs:])
         for key in min_keys or ():
             keep.update(c.path for c in self._ranked(ckpts, key, minimize=True)[:num_best])
         for key in max_keys or ():
@@ -361,6 +370,11 @@ class Checkpointer:
         key, minimize = (min_key, True) if min_key is not None else (max_key, False)
         ranked = self._ranked(ckpts, key, minimize) if key is not None else []
         return (ranked or ckpts[::-1])[:num]
+
+    def find_last_checkpoints(self, num: int) -> list[Checkpoint]:
+        """The ``num`` most recent end-of-epoch checkpoints, newest first (the final epochs,
+        which icefall averages); mid-epoch ones are left out."""
+        return [c for c in self.list_checkpoints() if c.end_of_epoch][::-1][:num]
 
     def find_checkpoint(
         self, min_key: str | None = None, max_key: str | None = None

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from amp_utils import Brain, Stage
+from amp_utils.checkpoint import Checkpointer
 from amp_utils.compile import unwrap_module
 from amp_utils.distributed import all_reduce_counts
 from amp_utils.run_results import PERCENT_METRICS
@@ -132,7 +133,8 @@ class AudioBrain(Brain):
                     "valid_metrics": metrics,
                 },
                 num_to_keep=self.hparams.keep_checkpoints,
-                num_best=self.num_averaged(),
+                num_best=self.num_averaged() if self.average_from() == "best" else 1,
+                num_last_epochs=self.num_averaged() if self.average_from() == "last" else 0,
                 **keys,
             )
 
@@ -149,27 +151,31 @@ class AudioBrain(Brain):
         return {"min_key" if cls.metric_mode == "min" else "max_key": cls.metric_key}
 
     def num_averaged(self) -> int:
-        """How many of the best checkpoints the test averages (``trainer.average_checkpoints``)."""
+        """How many checkpoints the test averages (``trainer.average_checkpoints``)."""
         return max(int(getattr(self.hparams, "average_checkpoints", 1) or 1), 1)
+
+    def average_from(self) -> str:
+        """Which checkpoints the test averages (``trainer.average_from``): last | best."""
+        return str(getattr(self.hparams, "average_from", "best") or "best")
 
     def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
         """Load the best checkpoint, then, with ``average_checkpoints`` > 1, the average of
-        the modules' weights over the N best (checkpoint averaging, as ESPnet and icefall
-        evaluate: a flatter minimum than any single epoch's)."""
+        the modules' weights over the N final epochs or the N best (checkpoint averaging, as
+        icefall and ESPnet evaluate: a flatter minimum than any single epoch's)."""
         super().on_evaluate_start(max_key=max_key, min_key=min_key)
         self.averaged_checkpoints: list[Any] = []
         if self.checkpointer is None or self.num_averaged() < 2:
             return
-        best = self.checkpointer.find_best_checkpoints(
-            self.num_averaged(), min_key=min_key, max_key=max_key
+        chosen = checkpoints_to_average(
+            self.checkpointer, self.num_averaged(), self.average_from(), min_key, max_key
         )
-        if len(best) < 2:
+        if len(chosen) < 2:
             return
         names = [f"module.{name}" for name in self.modules]
         self.checkpointer.load_averaged(
-            best, [n for n in names if n in self.checkpointer.recoverables], self.device
+            chosen, [n for n in names if n in self.checkpointer.recoverables], self.device
         )
-        self.averaged_checkpoints = best
+        self.averaged_checkpoints = chosen
 
     def evaluate_best(self, test_loader: Any) -> dict[str, float]:
         """Evaluate with the best checkpoint by the recipe's metric; returns test metrics."""
@@ -190,8 +196,10 @@ class AudioBrain(Brain):
         return {
             "checkpoint": ckpt.path.name,
             "selected_by": f"{best} validation {self.metric_key}",
-            # Weights tested: the average of these checkpoints (empty: the one above).
+            # Weights tested: the average of these checkpoints (empty: the one above),
+            # the final epochs' (last) or the best ones (best).
             "averaged_checkpoints": averaged,
+            "averaged_from": self.average_from() if averaged else None,
             "epoch": meta.get("epoch"),
             "optimizer_step": meta.get("optimizer_step"),
             "valid_metrics": valid,
@@ -203,3 +211,25 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return ", ".join(
         f"{k} {v:.2f} %" if k in PERCENT_METRICS else f"{k} {v:.4g}" for k, v in metrics.items()
     )
+
+
+AVERAGE_FROM = ("last", "best")  # trainer.average_from: which checkpoints the test averages
+
+
+def checkpoints_to_average(
+    checkpointer: Checkpointer,
+    num: int,
+    average_from: str,
+    min_key: str | None = None,
+    max_key: str | None = None,
+) -> list[Any]:
+    """The checkpoints whose average is tested: the ``num`` final epochs (``last``, as
+    icefall) or the ``num`` best by the validation metric (``best``, as ESPnet).
+
+    The final epochs sit in one basin at the schedule's low learning rate; the best ones,
+    picked by a noisy 300-utterance validation, can lie epochs apart (README "Checkpoint
+    averaging" has the measurements).
+    """
+    if average_from == "last":
+        return checkpointer.find_last_checkpoints(num)
+    return checkpointer.find_best_checkpoints(num, min_key=min_key, max_key=max_key)

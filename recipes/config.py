@@ -22,6 +22,7 @@ from amp_utils.distributed import BACKENDS
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name
 from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
+from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
 from recipes.schema import schema_help
 from recipes.tasks import UnknownTaskError, task_for
@@ -232,6 +233,7 @@ def validate_config(cfg: DictConfig) -> None:
             _positive(cfg, key, integer=True)
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
+    _choice(cfg, "trainer.average_from", AVERAGE_FROM)
     if OmegaConf.select(cfg, "model.decoder") is not None:
         _choice(cfg, "model.decoder", DECODERS)
         _positive(cfg, "model.beam_size", integer=True)

@@ -46,6 +46,7 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     if task_for(cfg.model).needs_tokenizer:  # runs from before the lexicon decoder
         cfg.model.setdefault("decoder", LEGACY_DECODER)  # were tested with best-path decoding
         cfg.model.setdefault("beam_size", LEGACY_BEAM_SIZE)
+    cfg.trainer.setdefault("average_from", "best")  # runs from before it averaged the N best
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:

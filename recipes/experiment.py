@@ -107,6 +107,7 @@ def build_brain(
             "labels": RunLabels.from_config(cfg, data.speakers, data.words),
             "keep_checkpoints": cfg.trainer.keep_checkpoints,
             "average_checkpoints": cfg.trainer.average_checkpoints,
+            "average_from": cfg.trainer.average_from,
             "label_smoothing": OmegaConf.select(cfg, "model.label_smoothing", default=0.0),
             "num_text_examples": cfg.trainer.num_text_examples,
             "lr_scheduler": lr_scheduler,

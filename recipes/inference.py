@@ -14,6 +14,7 @@ from amp_utils.precision import check_precision_supported
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
 from data.manifest import Utterance
+from recipes.audio_brain import checkpoints_to_average
 from recipes.modules import build_modules
 from recipes.run_folder import LABELS_FILE
 from recipes.task import RunLabels, Task
@@ -103,6 +104,8 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
     if ckpt.recover_if_possible(**key) is None:
         raise RunNotFoundError(f"No readable checkpoint in {run_dir / 'checkpoints'}.")
     num_averaged = int(OmegaConf.select(cfg, "trainer.average_checkpoints", default=1) or 1)
-    if num_averaged > 1:  # the weights the run was tested with
-        ckpt.load_averaged(ckpt.find_best_checkpoints(num_averaged, **key), ["module.model"])
+    if num_averaged > 1:  # the weights the run was tested with (older runs: the N best)
+        average_from = OmegaConf.select(cfg, "trainer.average_from", default="best")
+        chosen = checkpoints_to_average(ckpt, num_averaged, average_from, **key)
+        ckpt.load_averaged(chosen, ["module.model"])
     return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), labels, dev, amp)

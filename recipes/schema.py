@@ -219,7 +219,11 @@ class TrainerConfig:
     keep_checkpoints: int = MISSING
     average_checkpoints: int = field(
         default=1,
-        metadata={"help": "test the average of the N best checkpoints (1: the best one)"},
+        metadata={"help": "test the average of N checkpoints (1: the best one)"},
+    )
+    average_from: str = field(
+        default="last",
+        metadata={"help": "which N checkpoints are averaged: last (final epochs) | best"},
     )
     debug: bool = MISSING
     debug_batches: int = MISSING

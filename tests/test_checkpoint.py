@@ -178,6 +178,28 @@ def test_retention_keeps_the_n_best_and_the_newest(tmp_path):
     assert kept == [2, 3, 4, 6]  # best three (CER 2, 3, 5) + the newest
 
 
+def test_retention_keeps_the_final_epochs_for_averaging_them(tmp_path):
+    """``num_last_epochs``: the N most recent end-of-epoch checkpoints stay, a mid-epoch one
+    (no metrics) neither counts nor is returned, and the best is still kept."""
+    ckpt = Checkpointer(tmp_path, {"model": linear(0.0)})
+    for epoch, cer in enumerate([2.0, 9.0, 8.0, 7.0], start=1):
+        ckpt.save_and_keep_only(
+            meta={"CER": cer, "epoch": epoch}, num_to_keep=1, min_keys=["CER"], num_last_epochs=3
+        )
+    ckpt.save_and_keep_only(  # as the Brain saves mid-epoch: only mid-epoch ones compete
+        meta={"epoch": 5}, end_of_epoch=False, num_to_keep=1, predicate=lambda c: not c.end_of_epoch
+    )
+    kept = sorted(c.meta["epoch"] for c in ckpt.list_checkpoints())
+    assert kept == [1, 2, 3, 4, 5]  # the best (1), the last three epochs (2-4), the newest (5)
+    ckpt.save_and_keep_only(
+        meta={"CER": 6.0, "epoch": 6}, num_to_keep=1, min_keys=["CER"], num_last_epochs=3
+    )
+    kept = sorted(c.meta["epoch"] for c in ckpt.list_checkpoints())
+    assert kept == [1, 3, 4, 6]  # epoch 2 and the mid-epoch one are gone
+    assert [c.meta["epoch"] for c in ckpt.find_last_checkpoints(3)] == [6, 4, 3]
+    assert [c.meta["epoch"] for c in ckpt.find_last_checkpoints(9)] == [6, 4, 3, 1]
+
+
 def test_best_checkpoints_are_ranked_and_averaged(tmp_path):
     ckpt, model = _epochs_with_cer(tmp_path, [9.0, 3.0, 5.0, 2.0], num_best=3)
     best = ckpt.find_best_checkpoints(3, min_key="CER")

@@ -115,11 +115,12 @@ def test_checkpoint_averaging_tests_and_transcribes_with_the_average(tmp_path, f
         "model=xvector",
         "trainer.debug_epochs=3",
         "trainer.average_checkpoints=2",
+        "trainer.average_from=best",
         "trainer.keep_checkpoints=1",
     )
     results = train(cfg)
     tested = results["tested_checkpoint"]
-    assert len(tested["averaged_checkpoints"]) == 2
+    assert len(tested["averaged_checkpoints"]) == 2 and tested["averaged_from"] == "best"
     assert tested["checkpoint"] == tested["averaged_checkpoints"][0]  # the best first
     ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
     names = {c.path.name for c in ckpts}
@@ -136,3 +137,34 @@ def test_checkpoint_averaging_tests_and_transcribes_with_the_average(tmp_path, f
     key = next(k for k in weights[0] if k.endswith("weight") and weights[0][k].dim() > 1)
     expected = (weights[0][key] + weights[1][key]) / 2
     assert torch.allclose(trained.model.state_dict()[key], expected, atol=1e-6)
+
+
+def test_averaging_the_final_epochs_keeps_and_averages_them(tmp_path, fsdd_root):
+    """``trainer.average_from=last`` (the default): the N final epochs are kept whatever
+    ``keep_checkpoints`` says, tested as their average, and transcribe loads the same."""
+    cfg = fast_cfg(
+        tmp_path,
+        fsdd_root,
+        "model=xvector",
+        "trainer.debug_epochs=4",
+        "trainer.average_checkpoints=3",
+        "trainer.keep_checkpoints=1",
+    )
+    assert cfg.trainer.average_from == "last"
+    results = train(cfg)
+    tested = results["tested_checkpoint"]
+    assert tested["averaged_from"] == "last"
+    ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
+    final = [c for c in ckpts if c.end_of_epoch][-3:][::-1]  # newest first
+    assert [c.meta["epoch"] for c in final] == [4, 3, 2]
+    assert tested["averaged_checkpoints"] == [c.path.name for c in final]
+    hydra_dir = tmp_path / "run" / ".hydra"
+    hydra_dir.mkdir()
+    OmegaConf.save(cfg, hydra_dir / "config.yaml")
+    trained = load_trained(tmp_path / "run", device="cpu")
+    weights = [
+        torch.load(c.path / "state.pt", weights_only=True)["state"]["module.model"] for c in final
+    ]
+    key = next(k for k in weights[0] if k.endswith("weight") and weights[0][k].dim() > 1)
+    expected = sum(w[key].double() for w in weights) / 3
+    assert torch.allclose(trained.model.state_dict()[key].double(), expected, atol=1e-6)
