@@ -191,6 +191,7 @@ def test_retention_keeps_the_final_epochs_for_averaging_them(tmp_path):
     )
     kept = sorted(c.meta["epoch"] for c in ckpt.list_checkpoints())
     assert kept == [1, 2, 3, 4, 5]  # the best (1), the last three epochs (2-4), the newest (5)
+    assert [c.meta["epoch"] for c in ckpt.find_last_checkpoints(3)] == [4, 3, 2]  # not 5
     ckpt.save_and_keep_only(
         meta={"CER": 6.0, "epoch": 6}, num_to_keep=1, min_keys=["CER"], num_last_epochs=3
     )
