@@ -262,7 +262,8 @@ class Checkpointer:
         ``max_keys`` (highest values) are always kept, whatever their age, and so are the
         ``num_last_epochs`` most recent end-of-epoch ones (more than one of either for
         checkpoint averaging). With ``predicate``, only the checkpoints it accepts are
-        candidates for deletion.
+        candidates for deletion. Mid-epoch checkpoints older than an end-of-epoch one are
+        deleted (see ``keep_only``).
         """
         ckpt = self.save_checkpoint(meta=meta, end_of_epoch=end_of_epoch)
         self.keep_only(
@@ -286,6 +287,10 @@ class Checkpointer:
     ) -> None:
         """Delete checkpoints that are neither among the most recent nor the best.
 
+        A mid-epoch checkpoint saved before the newest end-of-epoch one is superseded: it
+        never takes one of the ``num_to_keep`` most recent places and is deleted (resume
+        starts from the newest checkpoint; best selection and averaging skip mid-epoch
+        ones), as SpeechBrain's end-of-epoch save removes the intra-epoch checkpoints.
         Under DDP rank 0 deletes; all ranks return once it is done.
         """
         if is_main_process():
@@ -304,9 +309,11 @@ class Checkpointer:
         num_last_epochs: int = 0,
     ) -> None:
         ckpts = self.list_checkpoints(verify=False)
+        superseded = _superseded_mid_epoch(ckpts)
         if predicate is not None:
             ckpts = [c for c in ckpts if predicate(c)]
-        keep = {c.path for c in ckpts[-num_to_keep:]} if num_to_keep > 0 else set()
+        recent = [c for c in ckpts if c.path not in superseded]
+        keep = {c.path for c in recent[-num_to_keep:]} if num_to_keep > 0 else set()
         if num_last_epochs > 0:
             keep.update(c.path for c in [c for c in ckpts if c.end_of_epoch][-num_last_epochs:])
         for key in min_keys or ():
@@ -458,6 +465,14 @@ class Checkpointer:
         if ckpt is not None:
             self.load_checkpoint(ckpt, map_location=map_location)
         return ckpt
+
+
+def _superseded_mid_epoch(ckpts: list[Checkpoint]) -> set[Path]:
+    """Mid-epoch checkpoints (``ckpts`` oldest first) saved before an end-of-epoch one."""
+    ends = [i for i, c in enumerate(ckpts) if c.end_of_epoch]
+    if not ends:
+        return set()
+    return {c.path for c in ckpts[: ends[-1]] if not c.end_of_epoch}
 
 
 def average_state_dicts(states: list[Mapping[str, Any]]) -> dict[str, Any]:

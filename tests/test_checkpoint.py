@@ -415,11 +415,27 @@ def test_retention_defaults_predicate_and_num_to_keep_zero(tmp_path):
     for cer in [3.0, 4.0]:
         ckpt.save_checkpoint(meta={"CER": cer}, end_of_epoch=False)
     ckpt.save_and_keep_only(
-        meta={"CER": 5.0}, num_to_keep=1, predicate=lambda c: not c.end_of_epoch
+        meta={"CER": 5.0}, end_of_epoch=False, num_to_keep=1, predicate=lambda c: not c.end_of_epoch
     )  # only mid-epoch checkpoints may go: the end-of-epoch ones stay
-    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [0.5, 4.0, 5.0]
+    assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [0.5, 5.0]
     ckpt.keep_only(num_to_keep=0, min_keys=["CER"])  # none by age, the best by CER
     assert [c.meta["CER"] for c in ckpt.list_checkpoints()] == [0.5]
+
+
+def test_mid_epoch_checkpoint_is_superseded_by_the_end_of_its_epoch(tmp_path):
+    """The end-of-epoch save deletes the mid-epoch checkpoints before it: one never takes
+    a ``num_to_keep`` place from an end-of-epoch checkpoint (it used to, and with
+    ``keep_checkpoints=2`` the run kept epoch N and a stale mid-epoch one, not N-1)."""
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    for epoch in (1, 2):
+        ckpt.save_checkpoint(meta={"epoch": epoch, "mid": True}, end_of_epoch=False)
+        ckpt.save_and_keep_only(meta={"epoch": epoch, "mid": False}, num_to_keep=2)
+    kept = [(c.meta["epoch"], c.meta["mid"]) for c in ckpt.list_checkpoints()]
+    assert kept == [(1, False), (2, False)]
+    ckpt.save_checkpoint(meta={"epoch": 3, "mid": True}, end_of_epoch=False)
+    ckpt.keep_only(num_to_keep=2)  # the newer mid-epoch one is what resume needs: it stays
+    kept = [(c.meta["epoch"], c.meta["mid"]) for c in ckpt.list_checkpoints()]
+    assert kept == [(2, False), (3, True)]
 
 
 def test_retention_deletes_corrupt_and_half_written_leftovers(tmp_path):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from amp_utils import Checkpointer
-from amp_utils.checkpoint import read_state
+from amp_utils.checkpoint import Checkpoint, read_state
 from tests.recipe_helpers import MANIFEST_8K, REPO_ROOT, recipe_command, run_command
 from tests.test_recipes import prepared_digits  # noqa: F401 - session fixture
 
@@ -303,27 +303,49 @@ def test_ddp_run_stopped_mid_epoch_resumes_in_one_process_without_losing_a_batch
     assert res["world_size"] == 1 and res["optimizer_steps"] == ref["optimizer_steps"]
 
 
-def test_mid_epoch_position_two_ranks_cannot_continue_from_is_refused(data_args, tmp_path):
+def killed_after_a_mid_epoch_checkpoint(args: list[str], run_dir: Path) -> Checkpoint:
+    """Start a one-process run and SIGKILL it once a mid-epoch checkpoint is on disk, before
+    its epoch ends (the end-of-epoch save deletes the mid-epoch ones); returns that one."""
+    proc = subprocess.Popen(
+        recipe_command("train.py", [*args, f"hydra.run.dir={run_dir}"], nproc=1),
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    checkpointer = Checkpointer(run_dir / "checkpoints")
+    deadline = time.monotonic() + 300
+    try:
+        while not list((run_dir / "checkpoints").glob("CKPT+*")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGSTOP)  # at once: the epoch has ~40 batches left to run
+    finally:
+        proc.kill()
+        proc.wait()
+    ckpts = checkpointer.list_checkpoints()
+    assert [c.end_of_epoch for c in ckpts] == [False], "the epoch ended before the kill"
+    return ckpts[0]
+
+
+def test_mid_epoch_position_two_ranks_cannot_continue_from_is_refused(
+    prepared_digits,  # noqa: F811
+    tmp_path,
+):
     """World size 1 -> 2 after an odd number of batches: two ranks can only go on from an
     even batch, so one batch would be trained twice (or skipped). The resume is refused,
     with one line (per rank) that says what to do, and nothing is trained."""
     run_dir = tmp_path / "run"
+    sizes = {"train": 400, "valid": 31, "test": 20}  # an epoch long enough to kill inside
     args = [
         *COMMON,
-        *data_args,
+        *subset_manifests(prepared_digits, tmp_path / "manifests", sizes),
         *(arg for arg in TINY if not arg.startswith("trainer.epochs=")),
         "trainer.epochs=1",
         "trainer.ckpt_interval_steps=2",  # optimizer steps are read back one batch late
         f"hydra.run.dir={run_dir}",
     ]
-    run_train(args, nproc=1)
-    # As if the run had been killed after its last mid-epoch checkpoint.
-    (run_dir / "results.json").unlink()
-    ckpts = Checkpointer(run_dir / "checkpoints").list_checkpoints()
-    for ckpt in ckpts:
-        if ckpt.end_of_epoch:
-            shutil.rmtree(ckpt.path)
-    [mid_epoch] = [c for c in ckpts if not c.end_of_epoch]
+    mid_epoch = killed_after_a_mid_epoch_checkpoint(args, run_dir)
     state = read_state(mid_epoch.path / "state.pt")["state"]
     batches = state["brain"]["step"]
     assert state["brain"]["world_size"] == 1 and batches % 2 == 1, batches
@@ -338,7 +360,6 @@ def test_mid_epoch_position_two_ranks_cannot_continue_from_is_refused(data_args,
     assert Checkpointer(run_dir / "checkpoints").list_checkpoints() == [mid_epoch]
 
 
-@pytest.mark.gpu
 def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
     """The nccl path: as many ranks as GPUs (a 1-GPU machine runs DDP with world size 1)."""
     nproc = torch.cuda.device_count()
