@@ -25,6 +25,10 @@ from data.dataset import AudioBatch
 
 logger = logging.getLogger(__name__)
 
+#: ``trainer.average_from`` of a config without it: runs from before that option averaged
+#: the N best checkpoints (by the validation metric), and are re-tested the same way.
+LEGACY_AVERAGE_FROM = "best"
+
 
 class AudioBrain(Brain):
     """Brain over ``AudioBatch`` batches; subclasses define the model call and metrics.
@@ -156,7 +160,7 @@ class AudioBrain(Brain):
 
     def average_from(self) -> str:
         """Which checkpoints the test averages (``trainer.average_from``): last | best."""
-        return str(getattr(self.hparams, "average_from", "best") or "best")
+        return str(getattr(self.hparams, "average_from", None) or LEGACY_AVERAGE_FROM)
 
     def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
         """Load the best checkpoint, then, with ``average_checkpoints`` > 1, the average of

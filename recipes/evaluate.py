@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import resolve_device
 from amp_utils.atomic import atomic_write_json
-from recipes.audio_brain import format_metrics
+from recipes.audio_brain import LEGACY_AVERAGE_FROM, format_metrics
 from recipes.config import register_resolvers
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain
@@ -46,7 +46,7 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     if task_for(cfg.model).needs_tokenizer:  # runs from before the lexicon decoder
         cfg.model.setdefault("decoder", LEGACY_DECODER)  # were tested with best-path decoding
         cfg.model.setdefault("beam_size", LEGACY_BEAM_SIZE)
-    cfg.trainer.setdefault("average_from", "best")  # runs from before it averaged the N best
+    cfg.trainer.setdefault("average_from", LEGACY_AVERAGE_FROM)  # runs from before the option
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:

@@ -14,7 +14,7 @@ from amp_utils.precision import check_precision_supported
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
 from data.manifest import Utterance
-from recipes.audio_brain import checkpoints_to_average
+from recipes.audio_brain import LEGACY_AVERAGE_FROM, checkpoints_to_average
 from recipes.modules import build_modules
 from recipes.run_folder import LABELS_FILE
 from recipes.task import RunLabels, Task
@@ -105,7 +105,7 @@ def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32"
         raise RunNotFoundError(f"No readable checkpoint in {run_dir / 'checkpoints'}.")
     num_averaged = int(OmegaConf.select(cfg, "trainer.average_checkpoints", default=1) or 1)
     if num_averaged > 1:  # the weights the run was tested with (older runs: the N best)
-        average_from = OmegaConf.select(cfg, "trainer.average_from", default="best")
+        average_from = OmegaConf.select(cfg, "trainer.average_from", default=LEGACY_AVERAGE_FROM)
         chosen = checkpoints_to_average(ckpt, num_averaged, average_from, **key)
         ckpt.load_averaged(chosen, ["module.model"])
     return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), labels, dev, amp)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes.evaluate import main, mean_metrics, split_arguments
+from recipes.audio_brain import LEGACY_AVERAGE_FROM
+from recipes.evaluate import main, mean_metrics, run_config, split_arguments
+from recipes.task import LEGACY_DECODER
 
 
 def make_run(folder: Path, started: bool = True) -> str:
@@ -66,3 +68,30 @@ def test_mean_metrics_average_each_metric() -> None:
 def test_bad_arguments_give_one_line_and_exit_code_2(args, message, capsys) -> None:
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_run_from_before_the_newer_options_is_re_tested_as_it_was_tested(tmp_path) -> None:
+    """An old run's config lacks ``trainer.average_from`` and ``model.decoder``: it averaged
+    the N best checkpoints and decoded greedily, and a re-test does the same; a run that
+    has them keeps its own, and an override still wins."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config_resolved.yaml").write_text(
+        "model: {name: conformer_ctc, task: asr}\ntrainer: {average_checkpoints: 3}\n"
+    )
+    cfg = run_config(old, [])
+    assert cfg.trainer.average_from == LEGACY_AVERAGE_FROM == "best"
+    assert cfg.model.decoder == LEGACY_DECODER == "greedy"
+    assert run_config(old, ["trainer.average_from=last"]).trainer.average_from == "last"
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "config_resolved.yaml").write_text(
+        "model: {name: conformer_ctc, task: asr, decoder: lexicon, beam_size: 8}\n"
+        "trainer: {average_checkpoints: 3, average_from: last}\n"
+    )
+    cfg = run_config(new, [])
+    assert (cfg.trainer.average_from, cfg.model.decoder, cfg.model.beam_size) == (
+        "last",
+        "lexicon",
+        8,
+    )
