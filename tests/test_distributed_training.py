@@ -183,6 +183,25 @@ TINY = [
 RESUMED = re.compile(r"Resumed from \S+ \(optimizer step (\d+), (\d+) batches into the epoch\)")
 
 
+def start_train(args: list[str], run_dir: Path, nproc: int, stdout: int) -> subprocess.Popen:
+    """Start a training run in ``run_dir`` in the background (stderr goes with stdout)."""
+    return subprocess.Popen(
+        recipe_command("train.py", [*args, f"hydra.run.dir={run_dir}"], nproc=nproc),
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def wait_for_a_checkpoint(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 300) -> None:
+    """Return as soon as the running ``proc`` has a checkpoint on disk (polled every 5 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while not list((run_dir / "checkpoints").glob("CKPT+*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.005)
+
+
 def sigterm_in_epoch_2(args: list[str], run_dir: Path) -> dict:
     """Start a 2-process run, SIGTERM it once epoch 1 is checkpointed; returns the state of
     the mid-epoch checkpoint both ranks saved.
@@ -190,17 +209,8 @@ def sigterm_in_epoch_2(args: list[str], run_dir: Path) -> dict:
     torchrun forwards SIGTERM to every rank: both say how to resume, and they stop after
     the same batch (a joint decision point) with one checkpoint between them.
     """
-    proc = subprocess.Popen(
-        recipe_command("train.py", [*args, f"hydra.run.dir={run_dir}"], nproc=2),
-        cwd=REPO_ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 300
-    while not list((run_dir / "checkpoints").glob("CKPT+*")):  # end of epoch 1
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
+    proc = start_train(args, run_dir, nproc=2, stdout=subprocess.PIPE)
+    wait_for_a_checkpoint(proc, run_dir)  # the end of epoch 1
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode != 0, "the run ended before the signal stopped it: " + output[-2000:]
@@ -306,24 +316,14 @@ def test_ddp_run_stopped_mid_epoch_resumes_in_one_process_without_losing_a_batch
 def killed_after_a_mid_epoch_checkpoint(args: list[str], run_dir: Path) -> Checkpoint:
     """Start a one-process run and SIGKILL it once a mid-epoch checkpoint is on disk, before
     its epoch ends (the end-of-epoch save deletes the mid-epoch ones); returns that one."""
-    proc = subprocess.Popen(
-        recipe_command("train.py", [*args, f"hydra.run.dir={run_dir}"], nproc=1),
-        cwd=REPO_ROOT,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    checkpointer = Checkpointer(run_dir / "checkpoints")
-    deadline = time.monotonic() + 300
+    proc = start_train(args, run_dir, nproc=1, stdout=subprocess.DEVNULL)
     try:
-        while not list((run_dir / "checkpoints").glob("CKPT+*")):
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.005)
+        wait_for_a_checkpoint(proc, run_dir)
         proc.send_signal(signal.SIGSTOP)  # at once: the epoch has ~40 batches left to run
     finally:
         proc.kill()
         proc.wait()
-    ckpts = checkpointer.list_checkpoints()
+    ckpts = Checkpointer(run_dir / "checkpoints").list_checkpoints()
     assert [c.end_of_epoch for c in ckpts] == [False], "the epoch ended before the kill"
     return ckpts[0]
 
