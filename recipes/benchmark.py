@@ -18,12 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.precision import resolve_device
 from recipes.benchmarking import run_benchmark, summarize
-from recipes.config import register_resolvers, validate_config
+from recipes.config import exit_on_unknown_override_keys, register_resolvers, validate_config
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain, device_name, seed_everything
 from recipes.modules import build_modules
 from recipes.preflight import run_options
-from recipes.schema import register_schemas
+from recipes.schema import BenchmarkRunConfig, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger(__name__)
@@ -86,4 +86,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_unknown_override_keys(BenchmarkRunConfig)  # a key typo: one line naming the close match
     main()

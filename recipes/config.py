@@ -1,8 +1,9 @@
 """Config helpers of the recipes: OmegaConf resolvers, ``--help``, and the value check.
 
 The config's types live in ``recipes/schema.py`` (dataclasses in Hydra's ConfigStore): while
-composing, Hydra refuses unknown group options (``precision=fp8`` lists the available ones),
-overrides of keys no schema has and values of the wrong type. ``validate_config`` checks, once
+composing, Hydra refuses unknown group options (``precision=fp8`` lists the available ones)
+and values of the wrong type; ``check_override_keys`` refuses, before it composes, overrides
+of keys no schema has (with the close match). ``validate_config`` checks, once
 and before any work, what a type cannot: keys added with ``+`` (``+trainer.epohcs=3`` would
 otherwise be accepted and ignored), value ranges and the device string, each refusal one line
 naming the key and the valid choices.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -168,6 +171,91 @@ def check_known_keys(node: DictConfig, where: str = "") -> None:
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
             check_known_keys(child, f"{where}{key}.")
+
+
+def _field_schemas(schema: type) -> dict[str, tuple[type, ...]]:
+    """Each field of dataclass ``schema`` -> the dataclasses its value can be (empty: a leaf)."""
+    hints = typing.get_type_hints(schema)
+    out: dict[str, tuple[type, ...]] = {}
+    for item in dataclasses.fields(schema):
+        kinds = typing.get_args(hints[item.name]) or (hints[item.name],)  # Optional[X]: X
+        out[item.name] = tuple(k for k in kinds if dataclasses.is_dataclass(k))
+    return out
+
+
+def _unknown_key(parts: list[str], schemas: tuple[type, ...], where: str) -> str | None:
+    """The refusal of key ``parts`` (below ``where``) if none of ``schemas`` has it, else None."""
+    fields: dict[str, tuple[type, ...]] = {}
+    for schema in schemas:
+        for name, kinds in _field_schemas(schema).items():
+            fields[name] = (*fields.get(name, ()), *kinds)
+    head = parts[0]
+    if head not in fields:
+        close = difflib.get_close_matches(head, sorted(fields), n=1)
+        hint = f" Did you mean {where}{close[0]}?" if close else ""
+        return (
+            f"{where}{head} is not a config key.{hint} Valid "
+            f"{where.rstrip('.') or 'top-level'} keys: {', '.join(sorted(fields))}."
+        )
+    if len(parts) == 1 or not fields[head]:
+        return None  # a value (a list or dict value's own keys are not checked here)
+    return _unknown_key(parts[1:], fields[head], f"{where}{head}.")
+
+
+def check_override_keys(overrides: Iterable[str], root: type) -> None:
+    """Refuse, before Hydra composes anything, a ``key=value`` override of a key that no
+    schema has (``trainer.epoch=3``), naming the close match and the valid keys.
+
+    Hydra refuses it too, but only with "Key 'epoch' not in 'TrainerConfig'". A group node's
+    key is valid if any of the group's option schemas has it (``model.channels``: x-vector);
+    Hydra still refuses it for an option that lacks it. Group choices (``precision=bf16``),
+    ``+``/``++``/``~`` overrides, ``hydra.*`` and command-line flags are left to Hydra and to
+    ``validate_config``; so is an override Hydra cannot parse.
+
+    Args:
+        overrides: the command line's arguments (``sys.argv[1:]``).
+        root: the primary config's schema (``Config``, ``BenchmarkRunConfig``, ...).
+
+    Raises:
+        ConfigError: one line for the first unknown key.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from recipes.schema import OPTION_SCHEMAS
+
+    items = [arg for arg in overrides if not arg.startswith("-") and "=" in arg]
+    try:
+        parsed = OverridesParser.create().parse_overrides(items)
+    except HydraException:
+        return  # Hydra's own message says what is wrong with the syntax
+    root_fields = _field_schemas(root)
+    groups = {g for g in root_fields if (CONF_DIR / g).is_dir()} | {"experiment", "debug"}
+    for override in parsed:
+        key = override.key_or_group
+        if override.is_add() or override.is_force_add() or override.is_delete():
+            continue
+        if override.package is not None or key.split(".")[0] == "hydra" or "/" in key:
+            continue
+        if key in groups or (CONF_DIR / key).is_dir():
+            continue  # a group choice: Hydra lists the options of a missing one
+        parts = key.split(".")
+        group_schemas = OPTION_SCHEMAS.get(parts[0])
+        if group_schemas and len(parts) > 1:
+            refusal = _unknown_key(parts[1:], tuple(s for _, s in group_schemas), f"{parts[0]}.")
+        else:
+            refusal = _unknown_key(parts, (root,), "")
+        if refusal:
+            raise ConfigError(refusal)
+
+
+def exit_on_unknown_override_keys(root: type, argv: list[str] | None = None) -> None:
+    """An entry point's first step: exit with ``error: <the refusal>`` (status 1, the way
+    the recipes' other user errors exit) if ``check_override_keys`` refuses the command line."""
+    try:
+        check_override_keys(sys.argv[1:] if argv is None else argv, root)
+    except ConfigError as err:
+        sys.exit(f"error: {err}")
 
 
 def _check_augmentation(data_cfg: DictConfig) -> None:

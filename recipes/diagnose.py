@@ -29,11 +29,16 @@ from amp_utils.numerics_report import (
 )
 from amp_utils.precision import resolve_device
 from amp_utils.tensorboard import TensorBoardLogger
-from recipes.config import ConfigError, register_resolvers, validate_config
+from recipes.config import (
+    ConfigError,
+    exit_on_unknown_override_keys,
+    register_resolvers,
+    validate_config,
+)
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain, seed_everything
 from recipes.preflight import USER_ERRORS, run_options
-from recipes.schema import register_schemas
+from recipes.schema import DiagnoseRunConfig, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 logger = logging.getLogger(__name__)
@@ -104,4 +109,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_unknown_override_keys(DiagnoseRunConfig)  # a key typo: one line naming the close match
     main()

@@ -1,13 +1,15 @@
 """The typed schema of the recipes' config: one dataclass per config group option family.
 
-Registered in Hydra's ``ConfigStore`` (``register_schemas``) as ``base_<name>`` entries; each
-YAML option under ``conf/<group>/`` extends its schema through its defaults list
-(``defaults: [base_xxx, _self_]``), and ``conf/config.yaml`` / ``conf/benchmark.yaml`` extend
-``base_config`` / ``base_benchmark_config``. Hydra then refuses, while composing, every
-override of a key the schema does not have (``trainer.epohcs=3``) and every value of the wrong
-type (``trainer.epochs=abc``, ``precision.name=fp8``), naming the key and the valid choices.
-Keys added with ``+`` and value ranges a type cannot express are checked once, over the
-composed config, by ``recipes.config.validate_config``.
+Registered in Hydra's ``ConfigStore`` (``register_schemas``): each YAML option under
+``conf/<group>/`` extends its schema through its defaults list (``defaults:
+[/schema/trainer@_here_, _self_]``; the schemas live in a group of their own, ``schema``, so
+they are not offered as options), and ``conf/config.yaml`` / ``conf/benchmark.yaml`` extend
+``base_config`` / ``base_benchmark_config``. Hydra then refuses, while composing, every value of
+the wrong type (``trainer.epochs=abc``, ``precision.name=fp8``, naming the valid choices).
+An override of a key no schema has (``trainer.epohcs=3``) is refused before composing by
+``recipes.config.check_override_keys``, with the close match and the valid keys; keys added
+with ``+`` and value ranges a type cannot express are checked once, over the composed config,
+by ``recipes.config.validate_config``.
 
 The YAML files hold the values and their one-line comments (``--help`` reads them); the
 defaults here are only for what the options share (``eval_precision``, ``allow_tf32``,
@@ -58,11 +60,10 @@ class PrecisionConfig:
 def schema_help(group: str, key: str) -> str:
     """The ``help`` of ``key`` in the schemas of ``group``: the one-line comment of a field
     whose default lives here rather than in the YAML options (``--help`` shows it)."""
-    for schema_group, _, schema in SCHEMAS:
-        if schema_group == group:
-            for schema_field in fields(schema):
-                if schema_field.name == key and "help" in schema_field.metadata:
-                    return schema_field.metadata["help"]
+    for _, schema in OPTION_SCHEMAS.get(group, ()):
+        for schema_field in fields(schema):
+            if schema_field.name == key and "help" in schema_field.metadata:
+                return schema_field.metadata["help"]
     return ""
 
 
@@ -292,19 +293,33 @@ class DiagnoseRunConfig(Config):
     diagnose: DiagnoseConfig = MISSING
 
 
+#: The schemas of each config group's options: a YAML option extends one of them with
+#: ``- /schema/<name>@_here_`` in its defaults list. They are stored in a group of their own
+#: (``schema``), so that they are not offered as options of the group (``precision=bf17``
+#: lists auto, bf16, fp16, fp32 only).
+OPTION_SCHEMAS: dict[str, tuple[tuple[str, type], ...]] = {
+    "precision": (("precision", PrecisionConfig),),
+    "device": (("device", DeviceConfig),),
+    "model": (("conformer", ConformerConfig), ("xvector", XvectorConfig)),
+    "data": (
+        ("fsdd_digits", FsddDigitsConfig),
+        ("fsdd_connected", FsddConnectedConfig),
+        ("manifest", ManifestConfig),
+    ),
+    "trainer": (("trainer", TrainerConfig),),
+}
+SCHEMA_GROUP = "schema"
+
 #: (group, name, schema) of every stored schema; ``group`` None: a primary config's.
 SCHEMAS: tuple[tuple[str | None, str, type], ...] = (
     (None, "base_config", Config),
     (None, "base_benchmark_config", BenchmarkRunConfig),
     (None, "base_diagnose_config", DiagnoseRunConfig),
-    ("precision", "base_precision", PrecisionConfig),
-    ("device", "base_device", DeviceConfig),
-    ("model", "base_conformer", ConformerConfig),
-    ("model", "base_xvector", XvectorConfig),
-    ("data", "base_fsdd_digits", FsddDigitsConfig),
-    ("data", "base_fsdd_connected", FsddConnectedConfig),
-    ("data", "base_manifest", ManifestConfig),
-    ("trainer", "base_trainer", TrainerConfig),
+    *(
+        (SCHEMA_GROUP, name, schema)
+        for options in OPTION_SCHEMAS.values()
+        for name, schema in options
+    ),
 )
 
 

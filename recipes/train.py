@@ -19,11 +19,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from recipes.config import register_resolvers
+from recipes.config import exit_on_unknown_override_keys, register_resolvers
 from recipes.experiment import sweep_objective, train
 from recipes.preflight import USER_ERRORS
 from recipes.run_folder import log_to_files
-from recipes.schema import register_schemas
+from recipes.schema import Config, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_resolvers()
@@ -42,4 +42,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    exit_on_unknown_override_keys(Config)  # a key typo: one line naming the close match
     main()

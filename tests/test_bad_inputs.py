@@ -28,7 +28,8 @@ def cli_error(args: list[str], fsdd_root: Path) -> str:
 def test_unknown_precision_lists_choices(fsdd_root):
     err = cli_error(["precision=fp8"], fsdd_root)
     assert "Could not find 'precision/fp8'" in err
-    assert "bf16" in err and "fp16" in err and "fp32" in err
+    options = err.split("Available options in 'precision':")[1].split("Config search path")[0]
+    assert options.split() == ["auto", "bf16", "fp16", "fp32"]  # not the schema (base_precision)
 
 
 @pytest.mark.parametrize(
@@ -44,9 +45,13 @@ def test_unknown_group_option_lists_choices(fsdd_root, override, group, choice):
     assert f"Available options in '{group}'" in err and choice in err
 
 
-def test_misspelled_key_is_named(fsdd_root):
-    err = cli_error(["trainer.epohcs=3"], fsdd_root)
-    assert "epohcs" in err and "not in 'TrainerConfig'" in err  # the schema's name
+def test_misspelled_key_is_named_with_the_close_match_and_the_valid_keys(fsdd_root, tmp_path):
+    """Hydra's own refusal said only "Key 'epohcs' not in 'TrainerConfig'"."""
+    args = ["-m", "trainer.epohcs=3", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    err = cli_error(args, fsdd_root)
+    assert err.count("\n") == 1 and err.startswith("error: trainer.epohcs is not a config key")
+    assert "Did you mean trainer.epochs?" in err and "Valid trainer keys: " in err
+    assert not (tmp_path / "sweep").exists()  # refused before any job
 
 
 def test_added_misspelled_key_is_refused_with_the_valid_keys(fsdd_root, tmp_path):
@@ -264,4 +269,10 @@ def test_help_lists_every_option_with_its_description_keys_and_examples(fsdd_roo
             assert f"{option.stem}" in text and description in text, option
     assert "*fp32" in text and "*conformer_ctc" in text  # the defaults are marked
     assert "trainer.epochs" in text and "training epochs" in text
+    from recipes.config import HELP_KEYS
+
+    for group, key in HELP_KEYS:  # each key with its comment (a YAML line's, else the schema's)
+        [line] = [line for line in text.splitlines() if line.split()[:1] == [f"{group}.{key}"]]
+        assert len(line.split()) > 1, line
+    assert "precision of validation/test forward passes" in text  # the schema's help
     assert "Examples:" in text and "precision=bf16 device=cuda" in text

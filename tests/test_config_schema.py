@@ -3,16 +3,25 @@ keys, bad choices and wrongly typed values are refused while composing, naming t
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
+from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from data.synthetic_voices import SynthesizerUnavailableError
-from recipes.config import CONF_DIR, ConfigError, validate_config
+from recipes.config import CONF_DIR, ConfigError, check_override_keys, validate_config
 from recipes.preflight import USER_ERRORS, preflight
-from recipes.schema import Precision
+from recipes.schema import (
+    OPTION_SCHEMAS,
+    BenchmarkRunConfig,
+    Config,
+    DiagnoseRunConfig,
+    Precision,
+    register_schemas,
+)
 from tests.recipe_helpers import FAST, compose_config
 
 #: group -> every YAML option of it (conf/<group>/*.yaml).
@@ -43,6 +52,62 @@ def test_added_unknown_key_is_refused_naming_the_valid_keys():
 def test_overriding_an_unknown_key_is_refused_while_composing():
     with pytest.raises(ConfigCompositionException, match="trainer.epohcs"):
         compose_config(["trainer.epohcs=3"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["trainer.epoch=3"], "trainer.epoch is not a config key. Did you mean trainer.epochs?"),
+        (["sed=3"], "sed is not a config key. Did you mean seed? Valid top-level keys: data,"),
+        (["data.features.n_mel=40"], "Did you mean data.features.n_mels? Valid data.features"),
+        (["model.chanels=8"], "Did you mean model.channels?"),  # x-vector's, not the default's
+        (["-m", "seed=1,2", "model.lrr=1,2"], "model.lrr is not a config key"),  # a sweep
+        (["data.num_trian=5"], "Did you mean data.num_train?"),  # fsdd_connected's
+    ],
+)
+def test_an_override_of_an_unknown_key_is_refused_with_the_close_match(args, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_override_keys(args, Config)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["trainer.epochs=3", "seed=3", "model.channels=8", "data.features.n_mels=40"],
+        ["data.test_speakers=[george]", "precision.fp32_modules=[model.x]", "data.train=a.csv"],
+        ["-m", "precision=fp32,bf16", "data.wave_augment.speeds=[0.9,1.0]", "experiment=gpu_asr"],
+        ["+trainer.epohcs=3", "~trainer.debug", "hydra.run.dir=x", "hydra/launcher=slurm"],
+        ["precision=fp8", "fast_path=cuda_graphs", "debug=fast", "--cfg", "job", "--help"],
+        ["trainer.epochs=(", "data@foo.bar=1"],  # Hydra's own parser and packages: Hydra's
+    ],
+)
+def test_known_keys_group_choices_and_what_hydra_checks_pass_the_key_check(args):
+    check_override_keys(args, Config)
+
+
+def test_the_benchmark_and_diagnose_keys_are_known_to_their_entry_points():
+    check_override_keys(["benchmark.steps=3"], BenchmarkRunConfig)
+    check_override_keys(["diagnose.batches=3"], DiagnoseRunConfig)
+    with pytest.raises(ConfigError, match="benchmark is not a config key"):
+        check_override_keys(["benchmark.steps=3"], Config)
+    with pytest.raises(ConfigError, match="Did you mean benchmark.steps?"):
+        check_override_keys(["benchmark.step=3"], BenchmarkRunConfig)
+
+
+def test_the_schemas_are_not_options_of_the_groups_they_type():
+    """``precision=bf17`` lists the options; a schema listed there (``base_precision``) is no
+    choice: they live in the ``schema`` group, and every option of a group extends one."""
+    for group, options in OPTION_SCHEMAS.items():
+        names = {name for name, _ in options}
+        for path in (CONF_DIR / group).glob("*.yaml"):
+            defaults = OmegaConf.load(path).get("defaults", [])
+            used = [d for d in defaults if isinstance(d, str) and d.startswith("/schema/")]
+            assert len(used) == 1 and used[0].removeprefix("/schema/").split("@")[0] in names
+    register_schemas()
+    stored_groups = {
+        name for name, node in ConfigStore.instance().repo.items() if isinstance(node, dict)
+    }
+    assert stored_groups.isdisjoint(OPTION_SCHEMAS), stored_groups
 
 
 def test_unknown_precision_is_refused_naming_the_choices():
