@@ -163,3 +163,45 @@ def test_leave_one_speaker_out_sweep_gets_per_speaker_rows_and_their_mean(tmp_pa
     _write_job(summarize_sweep_without, "0_plain", [], _results("fp32", []))
     summarize_sweep(summarize_sweep_without)
     assert "Held-out" not in (summarize_sweep_without / "summary.md").read_text()
+
+
+def test_a_sweep_over_seeds_gets_means_spreads_and_paired_differences_from_fp32(
+    tmp_path: Path,
+) -> None:
+    """``-m precision=fp32,bf16 seed=1,2,3``: per precision the mean and min-max over seeds,
+    and bf16 minus fp32 seed by seed (its mean first); a failed run and a single-seed group
+    are left out."""
+    cers = {"fp32": (3.5, 3.5, 3.83), "bf16": (3.33, 3.83, 3.5)}
+    index = 0
+    for precision, values in cers.items():
+        for seed, cer in zip((1, 2, 3), values, strict=True):
+            overrides = [f"precision={precision}", f"seed={seed}"]
+            results = _results(precision, overrides, CER=cer, WER=2 * cer, loss=0.1)
+            _write_job(tmp_path, f"{index}_precision={precision},seed={seed}", overrides, results)
+            index += 1
+    _write_job(tmp_path, "6_precision=fp16,seed=1", ["precision=fp16", "seed=1"], None)
+    summarize_sweep(tmp_path)
+    section = (tmp_path / "summary.md").read_text().split("## Over seeds", 1)[1]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [
+        dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for line in lines[1:]
+    ]
+    assert [row["precision"] for row in rows] == ["fp32", "bf16"]  # fp16 failed: no group
+    fp32, bf16 = rows
+    assert fp32["seeds"] == bf16["seeds"] == "1,2,3"
+    assert fp32["test CER % mean (min-max)"] == "3.61 (3.50-3.83)"
+    assert bf16["test CER % mean (min-max)"] == "3.55 (3.33-3.83)"
+    assert fp32["test CER % vs fp32, per seed"] == "—"
+    assert bf16["test CER % vs fp32, per seed"] == "-0.06 [-0.17, +0.33, -0.33]"
+    assert bf16["test WER % vs fp32, per seed"] == "-0.11 [-0.34, +0.66, -0.66]"
+    assert "test loss" not in section
+    assert (bf16["utt/s mean"], bf16["speed-up vs fp32"]) == ("150.00", "1.50x")
+
+    single = tmp_path / "single"
+    for seed in (1, 2):
+        overrides = ["precision=fp32", f"seed={seed}", f"trainer.epochs={seed}"]
+        _write_job(single, f"{seed}", overrides, _results("fp32", overrides))
+    summarize_sweep(single)  # each group (its own epochs) has one seed
+    assert "Over seeds" not in (single / "summary.md").read_text()
