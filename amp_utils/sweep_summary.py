@@ -236,7 +236,8 @@ def held_out_speakers_markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def _signed(value: float) -> str:
-    return f"{value:+.2f}"
+    """``+0.33`` / ``-0.17``; a value that rounds to zero is ``+0.00``, never ``-0.00``."""
+    return f"{round(value, 2) or 0.0:+.2f}"
 
 
 def seeds_markdown(runs: list[dict[str, Any]]) -> str:

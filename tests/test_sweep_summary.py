@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from amp_utils.sweep_summary import SweepSummaryCallback, summarize_sweep
+from amp_utils.sweep_summary import SweepSummaryCallback, _signed, summarize_sweep
 
 SPEEDS = {"fp32": 100.0, "fp16": 180.0, "bf16": 150.0}
 
@@ -196,6 +196,7 @@ def test_a_sweep_over_seeds_gets_means_spreads_and_paired_differences_from_fp32(
     assert fp32["test CER % vs fp32, per seed"] == "—"
     assert bf16["test CER % vs fp32, per seed"] == "-0.06 [-0.17, +0.33, -0.33]"
     assert bf16["test WER % vs fp32, per seed"] == "-0.11 [-0.34, +0.66, -0.66]"
+    assert _signed(-1e-17) == _signed(0.0) == "+0.00"  # (+0.33 + 0 - 0.33) / 3 in floats
     assert "test loss" not in section
     assert (bf16["utt/s mean"], bf16["speed-up vs fp32"]) == ("150.00", "1.50x")
 
