@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.distributed import BACKENDS
@@ -27,7 +29,7 @@ from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
 from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
-from recipes.schema import schema_help
+from recipes.schema import OPTION_SCHEMAS, schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -219,25 +221,18 @@ def check_override_keys(overrides: Iterable[str], root: type) -> None:
     Raises:
         ConfigError: one line for the first unknown key.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    from recipes.schema import OPTION_SCHEMAS
-
     items = [arg for arg in overrides if not arg.startswith("-") and "=" in arg]
     try:
         parsed = OverridesParser.create().parse_overrides(items)
     except HydraException:
         return  # Hydra's own message says what is wrong with the syntax
-    root_fields = _field_schemas(root)
-    groups = {g for g in root_fields if (CONF_DIR / g).is_dir()} | {"experiment", "debug"}
     for override in parsed:
         key = override.key_or_group
         if override.is_add() or override.is_force_add() or override.is_delete():
             continue
         if override.package is not None or key.split(".")[0] == "hydra" or "/" in key:
             continue
-        if key in groups or (CONF_DIR / key).is_dir():
+        if (CONF_DIR / key).is_dir():
             continue  # a group choice: Hydra lists the options of a missing one
         parts = key.split(".")
         group_schemas = OPTION_SCHEMAS.get(parts[0])
