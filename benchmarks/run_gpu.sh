@@ -26,13 +26,24 @@ BENCH_UTTS=${BENCH_UTTS:-8000}     # generated training utterances behind the be
                                    # epoch, as most of training's 330-step epochs do; 3000 gave ~15)
 TRAIN_UTTS=${TRAIN_UTTS:-20000}    # generated training utterances of the sweep (~14 h)
 TRAIN_BATCH=${TRAIN_BATCH:-100}    # data.max_batch_seconds of the sweep (x 2 on CUDA)
-TRAIN_EPOCHS=${TRAIN_EPOCHS:-2}    # epochs of each sweep run
+TRAIN_EPOCHS=${TRAIN_EPOCHS:-8}    # epochs of each sweep run (~300 optimizer steps each)
+TRAIN_WARMUP=${TRAIN_WARMUP:-300}  # model.warmup_steps of the sweep
+TRAIN_WORKERS=${TRAIN_WORKERS:-4}  # device.num_workers of each sweep run (3 run at once)
+SWEEP_PRECISIONS=${SWEEP_PRECISIONS:-"bf16 fp16 fp32"}
+SWEEP_PARALLEL=${SWEEP_PARALLEL:-1} # 1: the sweep's precisions train at once (accuracy only)
+SWEEP_LIMIT=${SWEEP_LIMIT:-540}    # seconds for the sweep (each run, if not parallel)
+M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of part 1
+BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind part 1's loader rows
+BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for part 1
+BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-80}  # seconds for part 3 (each precision compiles once)
+GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for part 4
+GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of part 4, in this order (default: all)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for parts 1-2 (dry runs: a tiny model)
 SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for part 3
 SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of part 3
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of part 3
 # the parts to run (a lease's commands are limited to 10 minutes: split the list over two)
-PARTS=${PARTS:-"bench_m sweep_bf16 sweep_fp32 sweep_fp16 bench_small bench_small_eager gpu_tests"}
+PARTS=${PARTS:-"bench_m bench_small bench_small_eager gpu_tests sweep"}  # sweep (parallel) or sweep_<p>
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -61,13 +72,14 @@ run_part() {
 } > "$WORK/machine.txt"
 
 # 1. Conformer-M step benchmark
-run_part bench_m 260 python3 recipes/benchmark.py experiment=gpu_asr device="$DEVICE" \
+run_part bench_m "$BENCH_M_LIMIT" python3 recipes/benchmark.py experiment=gpu_asr device="$DEVICE" \
   benchmark.batch_size="$M_BATCH" benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" \
-  benchmark.warmup_steps=5 data.num_train="$BENCH_UTTS" data.num_buckets=4 $M_EXTRA \
+  benchmark.warmup_steps=5 data.num_train="$BENCH_UTTS" data.num_buckets=4 \
+  benchmark.modes="$M_MODES" device.num_workers="$BENCH_WORKERS" $M_EXTRA \
   hydra.run.dir="$WORK/bench_m"
 
 # 3. the default small recipe, with and without the fast path
-run_part bench_small 80 python3 recipes/benchmark.py device="$DEVICE" fast_path=cuda_graphs \
+run_part bench_small "$BENCH_SMALL_LIMIT" python3 recipes/benchmark.py device="$DEVICE" fast_path=cuda_graphs \
   benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
   benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
 run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
@@ -75,20 +87,43 @@ run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
   benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small_eager"
 
 # 4. the GPU tests, with what time is left
-run_part gpu_tests 130 python3 -m pytest -m gpu -v -p no:cacheprovider --no-header
+run_part gpu_tests "$GPU_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider --no-header $GPU_TEST_FILES
 
-# 2. precision sweep of experiment=gpu_asr (one invocation per precision: own time limit)
+# 2. precision sweep of experiment=gpu_asr: the three precisions train at the same time on
+# the one GPU (SWEEP_PARALLEL=1, the default: a short lease fits enough steps for a trained
+# model), each with the same data, seed and number of optimizer steps. This part measures
+# accuracy only: their speeds share the GPU and are not comparable (part 1 measures speed).
 # The lexicon decoder needs flashlight-text, which ../shared/wheels-py312 lacks: carry its
 # cp312 wheel in .whl/ (pip download flashlight-text --python-version 3.12
 # --only-binary=:all: --platform manylinux2014_x86_64 --no-deps -d .whl), else decode greedily.
 DECODER=
 python3 -c "import flashlight.lib.text" 2>/dev/null || DECODER=model.decoder=greedy
-for p in bf16 fp32 fp16; do
-  run_part "sweep_$p" 120 python3 recipes/train.py -m experiment=gpu_asr precision=$p \
+sweep_run() {  # sweep_run PRECISION: one training run of the sweep
+  python3 recipes/train.py -m experiment=gpu_asr precision="$1" \
     device="$DEVICE" data.num_train="$TRAIN_UTTS" data.max_batch_seconds="$TRAIN_BATCH" \
-    trainer.epochs="$TRAIN_EPOCHS" model.warmup_steps=100 trainer.noprogressbar=true \
-    $DECODER $M_EXTRA hydra.sweep.dir="$WORK/sweep_gpu_asr" hydra.sweep.subdir=$p
-done
+    trainer.epochs="$TRAIN_EPOCHS" model.warmup_steps="$TRAIN_WARMUP" trainer.noprogressbar=true \
+    device.num_workers="$TRAIN_WORKERS" $DECODER $M_EXTRA \
+    hydra.sweep.dir="$WORK/sweep_gpu_asr" hydra.sweep.subdir="$1"
+}
+sweep_parallel() {  # all of SWEEP_PRECISIONS at once; each logs to sweep_<p>.log
+  local p pids=()
+  for p in $SWEEP_PRECISIONS; do
+    sweep_run "$p" > "$WORK/sweep_$p.log" 2>&1 &
+    pids+=($!)
+  done
+  trap 'kill "${pids[@]}" 2>/dev/null' TERM
+  wait "${pids[@]}"
+}
+if [ "$SWEEP_PARALLEL" = 1 ]; then
+  export -f sweep_run sweep_parallel
+  export DEVICE TRAIN_UTTS TRAIN_BATCH TRAIN_EPOCHS TRAIN_WARMUP TRAIN_WORKERS DECODER M_EXTRA WORK \
+    SWEEP_PRECISIONS
+  run_part sweep "$SWEEP_LIMIT" bash -c sweep_parallel
+else
+  for p in $SWEEP_PRECISIONS; do
+    run_part "sweep_$p" "$SWEEP_LIMIT" sweep_run "$p"
+  done
+fi
 [ -d "$WORK/sweep_gpu_asr" ] && python3 -c "import pathlib, sys
 from amp_utils.sweep_summary import summarize_sweep; summarize_sweep(pathlib.Path(sys.argv[1]))" \
   "$WORK/sweep_gpu_asr" >> "$WORK/summary.log" 2>&1
