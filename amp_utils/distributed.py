@@ -256,6 +256,15 @@ def all_reduce_counts(counts: Mapping[str, float]) -> dict[str, float]:
     return dict(zip(counts, summed, strict=True))
 
 
+def all_gather_lists(items: list[Any]) -> list[Any]:
+    """Every rank's (picklable) ``items`` joined in rank order (``items`` in one process)."""
+    if not _multi_process():
+        return list(items)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(items))
+    return [item for rank_items in gathered for item in rank_items]
+
+
 def any_rank(*flags: bool) -> tuple[bool, ...]:
     """For each flag, whether it is set on any rank.
 

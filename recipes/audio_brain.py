@@ -19,9 +19,10 @@ import torch
 from amp_utils import Brain, Stage
 from amp_utils.checkpoint import Checkpointer
 from amp_utils.compile import unwrap_module
-from amp_utils.distributed import all_reduce_counts
+from amp_utils.distributed import all_gather_lists, all_reduce_counts
 from amp_utils.run_results import PERCENT_METRICS
 from data.dataset import AudioBatch
+from recipes.error_report import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,23 @@ class AudioBrain(Brain):
         return None
 
     def on_stage_start(self, stage: Stage, epoch: int | None = None) -> None:
+        #: Each validated/tested utterance of the stage: for ``recipes/error_report.py``.
+        self.outcomes: list[Outcome] = []
         self.reset_metrics(stage)
+
+    def record_outcomes(
+        self, batch: AudioBatch, predictions: list[str], references: list[str]
+    ) -> None:
+        """Keep what the model said for each utterance of an evaluation batch."""
+        if not hasattr(self, "outcomes"):  # an evaluation step outside a stage (tools)
+            self.outcomes = []
+        names = getattr(getattr(self.hparams, "labels", None), "speakers", ())
+        speakers = batch.host.speakers if batch.host is not None else batch.speakers
+        for utt_id, index, ref, hyp in zip(
+            batch.ids, speakers.tolist(), references, predictions, strict=True
+        ):
+            speaker = names[index] if 0 <= index < len(names) else str(index)
+            self.outcomes.append(Outcome(utt_id, speaker, ref, hyp))
 
     def reset_metrics(self, stage: Stage) -> None:
         """Clear the metric accumulators of ``stage``."""
@@ -145,6 +162,7 @@ class AudioBrain(Brain):
     def _sum_metric_counts_over_ranks(self) -> None:
         if self.distributed.world_size == 1:
             return
+        self.outcomes = all_gather_lists(self.outcomes)
         counts = all_reduce_counts({name: getattr(self, name) for name in self.metric_counts})
         for name, value in counts.items():
             setattr(self, name, value)

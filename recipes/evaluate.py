@@ -5,11 +5,14 @@ python recipes/evaluate.py RUN_DIR model.decoder=lexicon    # re-score with the 
 python recipes/evaluate.py RUN_DIR precision.eval_precision=bf16 --split valid
 python recipes/evaluate.py RUN_DIR model.decoder=greedy --json greedy.json
 python recipes/evaluate.py multirun/DATE/* model.decoder=lexicon  # each job of a sweep; the mean
+python recipes/evaluate.py RUN_DIR --errors errors.md      # + what it got wrong, and how
 
 It loads the run's resolved config (``config_resolved.yaml``), applies the ``key=value``
 overrides, rebuilds the data and the Brain and tests the checkpoint the run tested (the
 best by the validation metric, or the same average). Nothing in the run folder is written:
-the metrics are printed, and ``--json FILE`` saves them to a new file.
+the metrics are printed, ``--json FILE`` saves them to a new file, and ``--errors FILE``
+writes a new markdown file with each run's wrong utterances, its errors per speaker and its
+most frequent confusions (``recipes/error_report.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import resolve_device
-from amp_utils.atomic import atomic_write_json
+from amp_utils.atomic import atomic_write_json, atomic_write_text
 from recipes.audio_brain import LEGACY_AVERAGE_FROM, format_metrics
 from recipes.config import register_resolvers
 from recipes.data_setup import build_data
+from recipes.error_report import error_report
 from recipes.experiment import build_brain
 from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir
 from recipes.preflight import USER_ERRORS, preflight, run_options
@@ -61,7 +65,8 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     """Test a finished run's tested checkpoint on ``split`` under ``overrides``.
 
     Returns:
-        ``{"run", "split", "overrides", "metrics", "tested_checkpoint"}``.
+        ``{"run", "split", "overrides", "metrics", "tested_checkpoint", "errors"}``; ``errors``
+        is the markdown error report (``recipes/error_report.py``).
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not valid; choose one of: {', '.join(SPLITS)}.")
@@ -80,6 +85,12 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
         "overrides": overrides,
         "metrics": metrics,
         "tested_checkpoint": brain.tested_checkpoint(),
+        "errors": error_report(
+            brain.outcomes,
+            words=task_for(cfg.model).needs_tokenizer,
+            title=f"{split.capitalize()} errors of {run_dir}"
+            + (f" ({' '.join(overrides)})" if overrides else ""),
+        ),
     }
 
 
@@ -126,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--split", default="test", help="test | valid")
     parser.add_argument("--json", type=Path, help="also write the result to this new file")
+    parser.add_argument(
+        "--errors",
+        type=Path,
+        help="also write the wrong utterances and the most frequent confusions "
+        "(markdown) to this new file",
+    )
     args = parser.parse_args(argv)
     register_resolvers()
     runs, overrides = split_arguments(args.items)
@@ -138,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{missing[0]} does not exist (relative paths are read from {Path.cwd()}). "
                 "Pass the folder that recipes/train.py wrote."
             )
-        if args.json is not None and args.json.exists():
-            raise FileExistsError(f"{args.json} exists; give a new file (nothing is rewritten).")
+        for new_file in (args.json, args.errors):
+            if new_file is not None and new_file.exists():
+                raise FileExistsError(f"{new_file} exists; give a new file (nothing is rewritten).")
         results = [evaluate_run(run, overrides, args.split) for run in runs]
     except (*USER_ERRORS, RunNotFoundError, ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -151,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         mean = mean_metrics(results)
         print(f"mean of {len(results)} runs, {args.split}: {format_metrics(mean)}")
         saved = {"runs": results, "mean_metrics": mean}
+    errors = [result.pop("errors") for result in results]
     if args.json is not None:
         atomic_write_json(args.json, saved)
+    if args.errors is not None:
+        atomic_write_text(args.errors, "\n".join(errors))
+        print(f"errors: {args.errors}")
     return 0
 
 

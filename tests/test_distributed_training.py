@@ -119,6 +119,10 @@ def test_ddp_matches_single_process_with_the_same_global_batch(runs):
     for split in ("valid_metrics", "test_metrics"):  # all-reduced over the ranks' shards
         for key, value in single_res[split].items():
             assert ddp_res[split][key] == pytest.approx(value, rel=TOLERANCE, abs=1e-6), key
+    # The error report lists both ranks' shards of the 20 test utterances, as one process does.
+    reports = [(runs[name] / "test_errors.md").read_text() for name in ("ddp", "single")]
+    assert [report.split("\n")[2] for report in reports] == 2 * [reports[1].split("\n")[2]]
+    assert " of 20 utterances wrong" in reports[0]
 
 
 #: TensorBoard's event file name: events.out.tfevents.<time>.<hostname>.<pid>.<uid>; the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -184,6 +185,11 @@ def test_speaker_id_run_reports_accuracy(tmp_path, fsdd_root, prepared_digits):
     results = train(cfg)
     assert results["task"] == "speaker"
     assert 0 <= results["test_metrics"]["accuracy"] <= 100
+    # The error report counts what the accuracy counts (debug mode: 2 test batches).
+    report = (tmp_path / "run" / "test_errors.md").read_text()
+    wrong, tested = map(int, re.search(r"(\d+) of (\d+) utterances wrong", report).groups())
+    assert tested > 0 and "confusions (labels;" in report
+    assert 100 * (tested - wrong) / tested == pytest.approx(results["test_metrics"]["accuracy"])
     ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
     assert all("accuracy" in c.meta for c in ckpts)
 
@@ -389,6 +395,7 @@ def test_cli_run_folder_holds_everything(cli_run, fsdd_root):
         "env.txt",
         "results.json",
         "labels.json",
+        "test_errors.md",
         "checkpoints",
         "tb",
     ):
@@ -523,11 +530,19 @@ def test_evaluate_rescores_with_another_decoder(cli_run, fsdd_recordings, tmp_pa
     whole_test = "trainer.debug=false"  # the CLI run tested 2 batches only (debug)
     lexicon = evaluate_run(run, ["model.decoder=lexicon", whole_test])
     assert lexicon["metrics"]["WER"] == pytest.approx(90.0)
+    # The error report: 270 wrong, 45 of each speaker's 50, every digit heard as "zero".
+    report = lexicon["errors"].splitlines()
+    assert "270 of 300 utterances wrong (90.00 %)." in report
+    assert "| george | 50 | 45 | 90.00 |" in report
+    assert sum(line.startswith("| ") and " | zero | 30 | " in line for line in report) == 9
     out = tmp_path / "greedy.json"
+    errors = tmp_path / "errors.md"
     args = [str(run), "model.decoder=greedy", whole_test, "--json", str(out)]
-    result = run_cli("evaluate.py", args, fsdd_recordings)
+    result = run_cli("evaluate.py", [*args, "--errors", str(errors)], fsdd_recordings)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "WER 100.00 %" in result.stdout
+    assert "300 of 300 utterances wrong" in errors.read_text()  # greedy: "z" every time
+    assert "errors" not in json.loads(out.read_text())
     assert json.loads(out.read_text())["metrics"]["WER"] == pytest.approx(100.0)
     assert snapshot(run) == before  # the run folder is not written
     again = run_cli("evaluate.py", args, fsdd_recordings)  # the result file is not rewritten

@@ -69,6 +69,8 @@ class _Batch:
 
     def __init__(self, speakers: torch.Tensor) -> None:
         self.speakers = speakers
+        self.ids = [f"utt{i}" for i in range(len(speakers))]
+        self.host = None  # on the host already
 
     def __len__(self) -> int:
         return len(self.speakers)
@@ -90,3 +92,7 @@ def test_speaker_label_smoothing_shapes_the_training_loss_only(smoothing) -> Non
     brain.reset_metrics(Stage.VALID)
     torch.testing.assert_close(brain.compute_objectives(logits, batch, Stage.VALID), plain)
     assert brain.stage_metrics(Stage.VALID) == {"accuracy": 100.0}
+    assert [(o.id, o.reference, o.prediction) for o in brain.outcomes] == [
+        ("utt0", "0", "0"),  # no labels: speakers by class index
+        ("utt1", "1", "1"),
+    ]

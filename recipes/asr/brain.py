@@ -67,6 +67,7 @@ class ASRBrain(AudioBrain):
 
     def _score(self, log_probs: torch.Tensor, out_lens: torch.Tensor, batch: AudioBatch) -> None:
         hyps = self.decode(log_probs, out_lens)
+        self.record_outcomes(batch, hyps, batch.transcripts)
         for ref, hyp in zip(batch.transcripts, hyps, strict=True):
             self.char_edits += torchaudio.functional.edit_distance(ref, hyp)
             self.char_total += len(ref)

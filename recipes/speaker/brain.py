@@ -33,15 +33,22 @@ class SpeakerBrain(AudioBrain):
         smoothing = self.label_smoothing if stage == Stage.TRAIN else 0.0
         loss = classification_loss(logits, batch.speakers, smoothing)
         if stage != Stage.TRAIN:
-            correct = (logits.argmax(dim=-1) == batch.speakers).sum()
-            self.correct += int(correct)
+            predicted = logits.argmax(dim=-1)
+            self.correct += int((predicted == batch.speakers).sum())
             self.total += len(batch)
+            names = self.speaker_names(batch.speakers.tolist())
+            self.record_outcomes(batch, self.speaker_names(predicted.tolist()), names)
         return loss
 
     @property
     def label_smoothing(self) -> float:
         """Share of the target probability spread over the other speakers in training."""
         return float(getattr(self.hparams, "label_smoothing", 0.0) or 0.0)
+
+    def speaker_names(self, indices: list[int]) -> list[str]:
+        """The speaker names of class indices (the index itself without labels)."""
+        names = getattr(getattr(self.hparams, "labels", None), "speakers", ())
+        return [names[i] if 0 <= i < len(names) else str(i) for i in indices]
 
     def reset_metrics(self, stage: Stage) -> None:
         self.correct = self.total = 0

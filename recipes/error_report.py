@@ -1,0 +1,168 @@
+"""What a model got wrong: the wrong utterances of a test and the confusions they share.
+
+A CER or an accuracy says how often a model errs, not how. Speech models err in patterns:
+one speaker's "two" heard as "four" every time, a digit dropped after another, a speaker
+taken for one with a similar voice. ``error_report`` lists each wrong utterance and counts
+the confusions over them, per speaker, so that such a pattern is read off in seconds:
+
+    python recipes/evaluate.py outputs/fsdd_digits/conformer_ctc/... --errors errors.md
+
+Training writes the same report for its test as ``test_errors.md`` in the run folder.
+ASR confusions are word pairs from aligning each reference with its transcript
+(``difflib``; a missing or extra word pairs with ``MISSING``); speaker-ID confusions are
+(true speaker, predicted speaker) pairs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Stands for the absent side of a deleted or inserted word.
+MISSING = "∅"
+#: Name of the report training writes into the run folder.
+TEST_ERRORS_FILE = "test_errors.md"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One evaluated utterance: who said it, what it was, what the model said.
+
+    Attributes:
+        id: the utterance id.
+        speaker: the speaker's name.
+        reference: the true label (a transcript, or the true speaker for speaker ID).
+        prediction: the model's label.
+    """
+
+    id: str
+    speaker: str
+    reference: str
+    prediction: str
+
+    @property
+    def correct(self) -> bool:
+        """Whether the model said exactly what the reference says."""
+        return self.reference == self.prediction
+
+
+def word_confusions(reference: str, prediction: str) -> list[tuple[str, str]]:
+    """(reference word, predicted word) for each word the two transcripts disagree on.
+
+    The transcripts are aligned word by word; a substituted stretch pairs its words in
+    order, and a word without a counterpart pairs with ``MISSING``.
+    """
+    ref, hyp = reference.split(), prediction.split()
+    pairs: list[tuple[str, str]] = []
+    matcher = difflib.SequenceMatcher(a=ref, b=hyp, autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
+            continue
+        ref_words, hyp_words = ref[i1:i2], hyp[j1:j2]
+        for k in range(max(len(ref_words), len(hyp_words))):
+            pairs.append(
+                (
+                    ref_words[k] if k < len(ref_words) else MISSING,
+                    hyp_words[k] if k < len(hyp_words) else MISSING,
+                )
+            )
+    return pairs
+
+
+def confusions(outcomes: Sequence[Outcome], words: bool) -> Counter[tuple[str, str, str]]:
+    """Counts of (reference, prediction, speaker) over the wrong ``outcomes``.
+
+    ``words``: count aligned word pairs (ASR); otherwise whole labels (speaker ID).
+    """
+    counts: Counter[tuple[str, str, str]] = Counter()
+    for outcome in outcomes:
+        if outcome.correct:
+            continue
+        pairs = (
+            word_confusions(outcome.reference, outcome.prediction)
+            if words
+            else [(outcome.reference, outcome.prediction)]
+        )
+        for ref, hyp in pairs:
+            counts[(ref, hyp, outcome.speaker)] += 1
+    return counts
+
+
+def _cell(text: str) -> str:
+    """``text`` as a markdown table cell (empty transcripts shown as MISSING)."""
+    return text.replace("|", "\\|") if text else MISSING
+
+
+def error_report(
+    outcomes: Sequence[Outcome],
+    words: bool,
+    title: str = "Errors",
+    max_confusions: int = 20,
+    max_listed: int = 200,
+) -> str:
+    """A markdown report of ``outcomes``: totals, errors per speaker, the most frequent
+    confusions (with the speakers they come from) and the wrong utterances.
+
+    Args:
+        outcomes: every evaluated utterance, right and wrong.
+        words: ASR (confusions are aligned word pairs) or not (whole labels).
+        title: the report's heading.
+        max_confusions: rows of the confusion table.
+        max_listed: wrong utterances listed (all are counted).
+    """
+    wrong = [o for o in outcomes if not o.correct]
+    share = 100.0 * len(wrong) / max(len(outcomes), 1)
+    lines = [f"# {title}", "", f"{len(wrong)} of {len(outcomes)} utterances wrong ({share:.2f} %)."]
+
+    per_speaker: dict[str, list[Outcome]] = defaultdict(list)
+    for outcome in outcomes:
+        per_speaker[outcome.speaker].append(outcome)
+    lines += [
+        "",
+        "## By speaker",
+        "",
+        "| speaker | utterances | wrong | wrong % |",
+        "|---|---|---|---|",
+    ]
+    for speaker in sorted(per_speaker):
+        said = per_speaker[speaker]
+        bad = sum(not o.correct for o in said)
+        lines.append(f"| {speaker} | {len(said)} | {bad} | {100.0 * bad / len(said):.2f} |")
+
+    counts = confusions(outcomes, words)
+    totals: Counter[tuple[str, str]] = Counter()
+    speakers: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    for (ref, hyp, speaker), count in counts.items():
+        totals[(ref, hyp)] += count
+        speakers[(ref, hyp)][speaker] += count
+    unit = "word" if words else "label"
+    lines += [
+        "",
+        f"## Most frequent confusions ({unit}s; {MISSING}: missing or extra)",
+        "",
+        "| reference | prediction | count | from speakers |",
+        "|---|---|---|---|",
+    ]
+    for (ref, hyp), count in sorted(totals.items(), key=lambda item: (-item[1], item[0]))[
+        :max_confusions
+    ]:
+        by = ", ".join(f"{s} {n}" for s, n in speakers[(ref, hyp)].most_common())
+        lines.append(f"| {_cell(ref)} | {_cell(hyp)} | {count} | {by} |")
+    if not totals:
+        lines.append("| — | — | 0 | — |")
+
+    lines += [
+        "",
+        f"## Wrong utterances ({min(len(wrong), max_listed)} of {len(wrong)} listed)",
+        "",
+        "| id | speaker | reference | prediction |",
+        "|---|---|---|---|",
+    ]
+    for outcome in sorted(wrong, key=lambda o: (o.speaker, o.id))[:max_listed]:
+        lines.append(
+            f"| {outcome.id} | {outcome.speaker} | {_cell(outcome.reference)} "
+            f"| {_cell(outcome.prediction)} |"
+        )
+    return "\n".join(lines) + "\n"
