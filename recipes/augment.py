@@ -9,7 +9,11 @@ CPU), teach it to ignore who is speaking and in what room:
   (a crude vocal-tract-length change) and tempo together; one factor per batch, as
   ``torchaudio.transforms.SpeedPerturbation`` does (the batch keeps one shape);
 * **additive noise** at a random signal-to-noise ratio per utterance, white or pink
-  (1/f) noise synthesised on the fly: no noise corpus to download.
+  (1/f) noise synthesised on the fly: no noise corpus to download;
+* **end cuts**: the end of a share of the utterances is cut off, as an eager endpointer (or
+  a recording trimmed too tightly) cuts a word's final consonant. FSDD has such recordings:
+  some of nicolas's "eight"s (all of those in the test and validation sets) end before the
+  "t" burst, and a model that only heard whole "eight"s takes them for "six" or "three".
 
 and on the log-mel features, **vocal-tract-length perturbation** (VTLP, Jaitly & Hinton
 2013: each utterance's mel axis stretched or squeezed by its own factor, which moves the
@@ -55,6 +59,9 @@ class WaveAugment(torch.nn.Module):
         noise_prob: probability that an utterance gets noise (0: off).
         snr_db: ``(low, high)`` range of the signal-to-noise ratio, drawn uniformly in dB.
         pink_share: share of noisy utterances that get pink instead of white noise.
+        cut_end_prob: probability that an utterance's end is cut off (0: off).
+        cut_end_max: largest share of an utterance's length that a cut removes; each cut
+            removes a share drawn uniformly from ``[0, cut_end_max]``.
     """
 
     def __init__(
@@ -64,6 +71,8 @@ class WaveAugment(torch.nn.Module):
         noise_prob: float = 0.0,
         snr_db: Sequence[float] = (10.0, 30.0),
         pink_share: float = 0.5,
+        cut_end_prob: float = 0.0,
+        cut_end_max: float = 0.3,
     ) -> None:
         super().__init__()
         speeds = [float(s) for s in speeds]
@@ -75,6 +84,11 @@ class WaveAugment(torch.nn.Module):
             raise ValueError(
                 f"noise_prob and pink_share must lie in [0, 1]; got {noise_prob} and {pink_share}."
             )
+        if not 0.0 <= cut_end_prob <= 1.0 or not 0.0 <= cut_end_max < 1.0:
+            raise ValueError(
+                "cut_end_prob must lie in [0, 1] and cut_end_max in [0, 1); got "
+                f"{cut_end_prob} and {cut_end_max}."
+            )
         if len(snr_db) != 2 or snr_db[0] > snr_db[1]:
             raise ValueError(
                 f"snr_db must be [low, high] in dB with low <= high; got {list(snr_db)}."
@@ -84,12 +98,15 @@ class WaveAugment(torch.nn.Module):
         self.noise_prob = float(noise_prob)
         self.snr_db = (float(snr_db[0]), float(snr_db[1]))
         self.pink_share = float(pink_share)
+        self.cut_end_prob = float(cut_end_prob)
+        self.cut_end_max = float(cut_end_max)
         self._source_rate = self.sample_rate  # of the last batch (speed 1: the same)
+        self._kept_permille: torch.Tensor | None = None  # of the last batch's end cuts
 
     @property
     def enabled(self) -> bool:
         """Whether any perturbation is on."""
-        return self.speeds != [1.0] or self.noise_prob > 0
+        return self.speeds != [1.0] or self.noise_prob > 0 or self.cut_end_prob > 0
 
     def forward(
         self, wavs: torch.Tensor, wav_lens: torch.Tensor
@@ -98,6 +115,7 @@ class WaveAugment(torch.nn.Module):
         if not self.training or not self.enabled:
             return wavs, wav_lens
         wavs, wav_lens = self.perturb_speed(wavs, wav_lens)
+        wavs, wav_lens = self.cut_ends(wavs, wav_lens)
         if self.noise_prob > 0:
             wavs = self.add_noise(wavs, wav_lens)
         return wavs, wav_lens
@@ -116,16 +134,47 @@ class WaveAugment(torch.nn.Module):
         valid = torch.arange(out.shape[-1], device=out.device) < lens.to(out.device).unsqueeze(1)
         return out * valid, lens
 
+    def cut_ends(
+        self, wavs: torch.Tensor, wav_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cut off the end of a random share ``cut_end_prob`` of the utterances.
+
+        The shares kept are drawn on the host (in permille, so that the device and a host
+        copy of the lengths compute the same new lengths in integer arithmetic, and no step
+        waits for the device); the cut samples become padding.
+        """
+        self._kept_permille = None
+        if self.cut_end_prob <= 0:
+            return wavs, wav_lens
+        batch = wavs.shape[0]
+        cut = torch.rand(batch) < self.cut_end_prob
+        share = torch.floor(torch.rand(batch) * self.cut_end_max * 1000).to(torch.int64)
+        self._kept_permille = torch.where(cut, 1000 - share, torch.full_like(share, 1000))
+        kept = self._kept_permille
+        if wavs.device.type == "cuda":
+            kept = kept.pin_memory()
+        lens = self._cut_lengths(wav_lens, kept.to(wavs.device, non_blocking=True))
+        valid = torch.arange(wavs.shape[-1], device=wavs.device) < lens.unsqueeze(1)
+        return wavs * valid, lens
+
+    @staticmethod
+    def _cut_lengths(wav_lens: torch.Tensor, kept_permille: torch.Tensor) -> torch.Tensor:
+        """``wav_lens`` after end cuts keeping ``kept_permille`` of each (at least 1 sample)."""
+        return (wav_lens * kept_permille // 1000).clamp(min=1).to(wav_lens.dtype)
+
     def lengths_after(self, wav_lens: torch.Tensor) -> torch.Tensor:
-        """Lengths of waveforms of ``wav_lens`` samples after the last speed change.
+        """Lengths of waveforms of ``wav_lens`` samples after the last batch's speed change
+        and end cuts.
 
         For copies of the lengths kept elsewhere (e.g. on the host, to compute CTC lengths
         without waiting for the device).
         """
-        if self._source_rate == self.sample_rate:
-            return wav_lens
-        lens = torch.ceil(wav_lens.to(torch.float64) * self.sample_rate / self._source_rate)
-        return lens.to(wav_lens.dtype)
+        if self._source_rate != self.sample_rate:
+            lens = torch.ceil(wav_lens.to(torch.float64) * self.sample_rate / self._source_rate)
+            wav_lens = lens.to(wav_lens.dtype)
+        if self._kept_permille is not None:
+            wav_lens = self._cut_lengths(wav_lens, self._kept_permille.to(wav_lens.device))
+        return wav_lens
 
     def add_noise(self, wavs: torch.Tensor, wav_lens: torch.Tensor) -> torch.Tensor:
         """Add white or pink noise at a random SNR to a random share of the utterances."""
@@ -252,5 +301,7 @@ def build_wave_augment(data_cfg: DictConfig) -> WaveAugment | None:
         noise_prob=aug.noise_prob,
         snr_db=list(aug.snr_db),
         pink_share=aug.pink_share,
+        cut_end_prob=OmegaConf.select(aug, "cut_end_prob", default=0.0),
+        cut_end_max=OmegaConf.select(aug, "cut_end_max", default=0.3),
     )
     return module if module.enabled else None

@@ -147,6 +147,10 @@ class WaveAugmentConfig:
     noise_prob: float = 0.0  # share of utterances that get white/pink noise (0: off)
     snr_db: list[float] = field(default_factory=lambda: [10.0, 30.0])  # [low, high] SNR range in dB
     pink_share: float = 0.5  # share of the noisy utterances with pink (1/f) instead of white noise
+    cut_end_prob: float = (
+        0.0  # share of utterances whose end is cut off, as an eager endpointer does (0: off)
+    )
+    cut_end_max: float = 0.3  # largest share of an utterance's length one cut removes
 
 
 @dataclass

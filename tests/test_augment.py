@@ -92,6 +92,37 @@ def test_bad_settings_fail_with_the_fix() -> None:
         WaveAugment(SR, snr_db=(30.0, 10.0))
     with pytest.raises(ValueError, match="noise_prob"):
         WaveAugment(SR, noise_prob=2.0)
+    with pytest.raises(ValueError, match="cut_end_max"):
+        WaveAugment(SR, cut_end_prob=0.5, cut_end_max=1.0)
+
+
+def test_end_cuts_shorten_a_share_of_the_utterances_and_the_host_lengths_agree() -> None:
+    """A cut keeps the start of an utterance, silences the rest, and a host copy of the
+    lengths (read for the CTC lengths without waiting for the device) gets the same ones."""
+    wavs, lens = _batch([8000] * 63 + [3])
+    aug = WaveAugment(SR, cut_end_prob=0.5, cut_end_max=0.4).train()
+    assert aug.enabled
+    torch.manual_seed(4)
+    out, out_lens = aug(wavs, lens)
+    assert torch.equal(aug.lengths_after(lens.clone()), out_lens)
+    cut = out_lens < lens
+    assert 16 <= int(cut.sum()) <= 48  # about half
+    assert (out_lens >= (0.6 * lens).floor()).all() and (out_lens >= 1).all()
+    for row, n in enumerate(out_lens.tolist()):
+        assert torch.equal(out[row, :n], wavs[row, :n])  # the start is untouched
+        assert out[row, n:].abs().sum() == 0  # the cut part is padding
+    torch.manual_seed(4)
+    assert torch.equal(aug(wavs, lens)[1], out_lens)  # seeded by the global generator
+
+
+def test_end_cuts_follow_a_speed_change_in_the_host_lengths() -> None:
+    wavs, lens = _batch([8000, 6000])
+    aug = WaveAugment(SR, speeds=[1.1], cut_end_prob=1.0, cut_end_max=0.3).train()
+    torch.manual_seed(5)
+    _, out_lens = aug(wavs, lens)
+    assert torch.equal(aug.lengths_after(lens), out_lens)
+    sped = [math.ceil(n / 1.1) for n in lens.tolist()]
+    assert all(0.7 * s - 1 <= n <= s for n, s in zip(out_lens.tolist(), sped, strict=True))
 
 
 def test_vtlp_with_factor_one_is_the_identity() -> None:
