@@ -44,6 +44,13 @@ class AudioBrain(Brain):
     metric_mode = "min"
     metric_counts: tuple[str, ...] = ()
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Each validated/tested utterance of the current stage, for
+        #: ``recipes/error_report.py``; empty until a stage scores one (a Brain used
+        #: by a tool, or whose metric counts are set directly, has none).
+        self.outcomes: list[Outcome] = []
+
     def on_fit_start(self) -> None:
         """Set up and resume (the Brain's), then call ``hparams.on_fit_ready`` if given.
 
@@ -93,16 +100,13 @@ class AudioBrain(Brain):
         return None
 
     def on_stage_start(self, stage: Stage, epoch: int | None = None) -> None:
-        #: Each validated/tested utterance of the stage: for ``recipes/error_report.py``.
-        self.outcomes: list[Outcome] = []
+        self.outcomes = []
         self.reset_metrics(stage)
 
     def record_outcomes(
         self, batch: AudioBatch, predictions: list[str], references: list[str]
     ) -> None:
         """Keep what the model said for each utterance of an evaluation batch."""
-        if not hasattr(self, "outcomes"):  # an evaluation step outside a stage (tools)
-            self.outcomes = []
         names = getattr(getattr(self.hparams, "labels", None), "speakers", ())
         speakers = batch.host.speakers if batch.host is not None else batch.speakers
         for utt_id, index, ref, hyp in zip(

@@ -364,6 +364,7 @@ def test_mid_epoch_position_two_ranks_cannot_continue_from_is_refused(
     assert Checkpointer(run_dir / "checkpoints").list_checkpoints() == [mid_epoch]
 
 
+@pytest.mark.gpu
 def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
     """The nccl path: as many ranks as GPUs (a 1-GPU machine runs DDP with world size 1)."""
     nproc = torch.cuda.device_count()
