@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from amp_utils.autocast import fwd_default_precision
+from amp_utils.fast_kernels import scaled_dot_product_attention
 
 
 def _length_mask(lengths: Tensor, max_len: int) -> Tensor:
@@ -124,7 +125,8 @@ class SelfAttention(nn.Module):
         batch, frames, d_model = x.shape
         qkv = self.qkv(self.norm(x)).view(batch, frames, 3, self.num_heads, -1)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, d_head]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask)
+        # On a CPU in bf16/fp16 the attention core runs in fp32: faster there (fast_kernels).
+        out = scaled_dot_product_attention(query, key, value, attn_mask=attn_mask)
         out = out.transpose(1, 2).reshape(batch, frames, d_model)
         return self.out_dropout(self.proj(out))
 
