@@ -103,6 +103,7 @@ class ConformerConfig(ModelConfig):
     decoder: str = MISSING  # greedy (best path) | lexicon (beam search over training words)
     beam_size: int = MISSING  # hypotheses kept per frame by the lexicon decoder
     average_checkpoints: int = 1  # default trainer.average_checkpoints for this model
+    cut_end_prob: float = 0.0  # default data.wave_augment.cut_end_prob on single digits
 
 
 @dataclass
