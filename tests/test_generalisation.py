@@ -64,8 +64,10 @@ def test_wave_augment_is_built_from_the_config_and_keeps_ctc_lengths_right(tmp_p
         "data.wave_augment.speeds=[0.9]",
         "data.wave_augment.noise_prob=1.0",
         "data.spec_augment.freq_warp=0.1",
+        "data.wave_augment.cut_end_prob=0",  # the speed change alone sets the lengths below
     )
-    assert "wave_augment" not in build_modules(fast_cfg(tmp_path, fsdd_root), ("s",))
+    no_cuts = fast_cfg(tmp_path, fsdd_root, "data.wave_augment.cut_end_prob=0")
+    assert "wave_augment" not in build_modules(no_cuts, ("s",))
     data = build_data(cfg, torch.device("cpu"))
     brain = build_brain(cfg, data, None, None)
     assert isinstance(brain.modules.wave_augment, WaveAugment)
@@ -80,6 +82,21 @@ def test_wave_augment_is_built_from_the_config_and_keeps_ctc_lengths_right(tmp_p
     assert torch.equal(batch.host.wav_lens, expected)
     valid_feats, valid_lens = brain.features(next(iter(data.valid)), Stage.VALID)
     assert valid_lens.max() <= valid_feats.shape[1]  # evaluation: no perturbation
+
+
+def test_default_asr_end_cuts_keep_host_ctc_lengths_right(tmp_path, fsdd_root):
+    """The ASR recipe cuts utterance ends by default: host lengths follow the cuts."""
+    cfg = fast_cfg(tmp_path, fsdd_root)
+    assert cfg.data.wave_augment.cut_end_prob == 0.3
+    data = build_data(cfg, torch.device("cpu"))
+    brain = build_brain(cfg, data, None, None)
+    brain.modules.train()
+    batch = next(iter(data.train)).to(brain.device)
+    uncut = batch.host.wav_lens.clone()
+    feats, feat_lens = brain.features(batch, Stage.TRAIN)
+    assert torch.equal(brain.modules.features.frame_lengths(batch.host.wav_lens), feat_lens.cpu())
+    cut = batch.host.wav_lens < uncut
+    assert cut.any() and (batch.host.wav_lens >= (uncut * 0.6).floor()).all()
 
 
 def test_fp32_modules_from_the_config_run_in_fp32_under_bf16(tmp_path, fsdd_root):
