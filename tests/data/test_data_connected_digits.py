@@ -161,8 +161,9 @@ def test_same_utterances_and_audio_as_generator_version_1(
             digest.update(item["id"].encode())
             digest.update(item["transcript"].encode())
             if sample_rate == 8000:  # the recordings' own samples: bit for bit on every host
+                # (and equal to the old writer's: test_items_are_the_audio_the_old_writer_stored)
                 digest.update(item["wav"].numpy().tobytes())
-            else:  # 8 kHz: test_items_are_the_audio_the_old_writer_stored
+            else:  # resampled: lengths here, energy below, equality with the reference
                 digest.update(str(item["wav"].numel()).encode())
                 energy += float(np.square(item["wav"].numpy(), dtype=np.float64).sum())
                 utt = plans[split][index]
