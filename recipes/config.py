@@ -29,6 +29,7 @@ from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
 from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
+from recipes.frontend import NORMALIZATIONS
 from recipes.schema import OPTION_SCHEMAS, schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
@@ -317,6 +318,7 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
     _choice(cfg, "trainer.average_from", AVERAGE_FROM)
+    _choice(cfg, "data.features.normalize", NORMALIZATIONS)
     if OmegaConf.select(cfg, "model.decoder") is not None:
         _choice(cfg, "model.decoder", DECODERS)
         _positive(cfg, "model.beam_size", integer=True)

@@ -17,12 +17,22 @@ from omegaconf import DictConfig
 from amp_utils.autocast import fwd_default_precision
 
 
+#: How ``LogMelFeatures`` normalises each utterance (``data.features.normalize``).
+NORMALIZATIONS: tuple[str, ...] = ("per_bin", "utterance")
+
+
 class LogMelFeatures(torch.nn.Module):
     """``[B, T]`` waveforms to normalised log-mel frames ``[B, frames, n_mels]``.
 
-    Each utterance is normalised to zero mean and unit variance per mel bin over its valid
-    frames only (padding would bias the statistics of short utterances); padded frames are
-    set to zero.
+    Each utterance is normalised over its valid frames only (padding would bias the
+    statistics of short utterances); padded frames are set to zero. Two ways:
+
+    * ``per_bin``: zero mean and unit variance per mel bin (cepstral mean and variance
+      normalisation). It removes a fixed channel (microphone) response, but on a single word
+      the mean over time of a bin is mostly the word's own average spectrum, so it also
+      removes much of what tells one vowel from another.
+    * ``utterance``: one mean and one variance over all bins and frames. It removes the
+      level only and keeps the spectral shape (vowel identity and the channel with it).
 
     Args:
         sample_rate: audio sample rate in Hz.
@@ -30,6 +40,7 @@ class LogMelFeatures(torch.nn.Module):
         win_length: window length in samples (25 ms at 8 kHz).
         hop_length: hop in samples (10 ms at 8 kHz).
         n_mels: number of mel bins.
+        normalize: ``per_bin`` or ``utterance`` (above).
     """
 
     def __init__(
@@ -39,8 +50,15 @@ class LogMelFeatures(torch.nn.Module):
         win_length: int = 200,
         hop_length: int = 80,
         n_mels: int = 40,
+        normalize: str = "per_bin",
     ) -> None:
         super().__init__()
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(
+                f"Unknown feature normalisation {normalize!r}: choose one of "
+                f"{', '.join(NORMALIZATIONS)} (data.features.normalize)."
+            )
+        self.normalize = normalize
         self.hop_length = hop_length
         self.n_mels = n_mels
         self.mel = torchaudio.transforms.MelSpectrogram(
@@ -73,9 +91,13 @@ class LogMelFeatures(torch.nn.Module):
         frame_lens = self.frame_lengths(wav_lens.to(feats.device)).clamp(max=feats.shape[1])
         frames = torch.arange(feats.shape[1], device=feats.device)
         mask = (frames.unsqueeze(0) < frame_lens.unsqueeze(1)).unsqueeze(-1)  # [B, F, 1]
+        # Statistics over the valid frames (dim 1), and over the bins too for "utterance".
+        dims = (1,) if self.normalize == "per_bin" else (1, 2)
         count = frame_lens.view(-1, 1, 1).to(feats.dtype)
-        mean = (feats * mask).sum(dim=1, keepdim=True) / count
-        var = (((feats - mean) * mask) ** 2).sum(dim=1, keepdim=True) / count
+        if self.normalize == "utterance":
+            count = count * feats.shape[2]
+        mean = (feats * mask).sum(dim=dims, keepdim=True) / count
+        var = (((feats - mean) * mask) ** 2).sum(dim=dims, keepdim=True) / count
         feats = (feats - mean) / torch.sqrt(var + 1e-5)
         return feats * mask, frame_lens.to(torch.int64)
 
@@ -89,4 +111,5 @@ def build_features(data_cfg: DictConfig) -> LogMelFeatures:
         win_length=f.win_length,
         hop_length=f.hop_length,
         n_mels=f.n_mels,
+        normalize=f.get("normalize", "per_bin"),
     )

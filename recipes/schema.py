@@ -124,6 +124,7 @@ class FeaturesConfig:
     n_fft: int = MISSING  # FFT size
     win_length: int = MISSING  # window length (samples)
     hop_length: int = MISSING  # hop length (samples)
+    normalize: str = "per_bin"  # per_bin (mean/variance per mel bin) | utterance (one for all bins)
 
 
 @dataclass

@@ -261,3 +261,15 @@ def test_synthetic_voices_without_the_engines_are_refused_before_any_work(monkey
     with pytest.raises(SynthesizerUnavailableError, match="apt-get install") as err:
         preflight(cfg)
     assert isinstance(err.value, USER_ERRORS)
+
+
+@pytest.mark.parametrize("data", ["fsdd_digits", "fsdd_connected", "manifest"])
+def test_feature_normalisation_defaults_to_per_bin_and_a_typo_names_the_choices(data) -> None:
+    overrides = [*FAST, f"data={data}"]
+    if data == "manifest":
+        overrides += ["data.train=t.csv", "data.valid=v.csv", "data.test=t.csv"]
+    cfg = compose_config(overrides)
+    assert cfg.data.features.normalize == "per_bin"
+    cfg = compose_config([*overrides, "data.features.normalize=global"])
+    with pytest.raises(ConfigError, match="data.features.normalize='global'.*per_bin, utterance"):
+        validate_config(cfg)

@@ -48,3 +48,28 @@ def test_specaugment_identity_in_eval_and_masks_in_training() -> None:
     masked = augment(feats)
     assert masked.shape == feats.shape
     assert (masked == 0).any() and not torch.equal(masked, feats)
+
+
+def test_utterance_normalisation_keeps_the_spectral_shape(wavs) -> None:
+    """``utterance``: one mean and variance over all bins and valid frames, so a bin that is
+    louder on average stays louder (``per_bin`` makes every bin's mean zero)."""
+    tone = torch.sin(2 * torch.pi * 500 * torch.arange(8000) / 8000)  # energy in the low bins
+    batch = wavs[0] + tone, wavs[1]
+    per_bin, _ = LogMelFeatures()(*batch)
+    utterance, lens = LogMelFeatures(normalize="utterance")(*batch)
+    for b, n in enumerate(lens.tolist()):
+        valid = utterance[b, :n]
+        torch.testing.assert_close(valid.mean(), torch.tensor(0.0), atol=1e-4, rtol=0)
+        torch.testing.assert_close(valid.std(unbiased=False), torch.tensor(1.0), atol=1e-3, rtol=0)
+        assert not utterance[b, n:].any()
+        bin_means = valid.mean(0)
+        assert bin_means.max() - bin_means.min() > 1.0  # the tone's bins stand out
+        assert per_bin[b, :n].mean(0).abs().max() < 1e-4  # per_bin flattens them
+    # A gain change reaches neither.
+    louder, _ = LogMelFeatures(normalize="utterance")(batch[0] * 8.0, batch[1])
+    torch.testing.assert_close(louder, utterance, atol=1e-3, rtol=0)
+
+
+def test_unknown_normalisation_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="per_bin, utterance"):
+        LogMelFeatures(normalize="global")
