@@ -13,7 +13,13 @@ CPU), teach it to ignore who is speaking and in what room:
 * **end cuts**: the end of a share of the utterances is cut off, as an eager endpointer (or
   a recording trimmed too tightly) cuts a word's final consonant. FSDD has such recordings:
   some of nicolas's "eight"s (all of those in the test and validation sets) end before the
-  "t" burst, and a model that only heard whole "eight"s takes them for "six" or "three".
+  "t" burst, and a model that only heard whole "eight"s takes them for "six" or "three";
+* **random channels**: a share of the utterances goes through a random smooth equaliser
+  (a gain curve over frequency, up to ``channel_db`` up or down), as a different microphone
+  or room would colour it. FSDD's speakers were recorded on different equipment: their
+  average spectra differ by 10-15 dB above 2 kHz. It matters with
+  ``data.features.normalize=utterance``; per-bin normalisation already removes most of a
+  fixed channel (and some of what tells the digits apart with it).
 
 and on the log-mel features, **vocal-tract-length perturbation** (VTLP, Jaitly & Hinton
 2013: each utterance's mel axis stretched or squeezed by its own factor, which moves the
@@ -48,7 +54,7 @@ def pink_noise(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
 
 
 class WaveAugment(torch.nn.Module):
-    """Speed perturbation and noise at a random SNR for ``[B, T]`` padded waveforms.
+    """Speed perturbation, end cuts, random channels and noise for ``[B, T]`` padded waveforms.
 
     Identity in eval mode. Padding stays zero and the valid lengths follow the speed
     change, so the features and the CTC lengths of the perturbed batch stay right.
@@ -62,6 +68,8 @@ class WaveAugment(torch.nn.Module):
         cut_end_prob: probability that an utterance's end is cut off (0: off).
         cut_end_max: largest share of an utterance's length that a cut removes; each cut
             removes a share drawn uniformly from ``[0, cut_end_max]``.
+        channel_prob: probability that an utterance goes through a random channel (0: off).
+        channel_db: widest gain of the random channel's equaliser, in dB up or down.
     """
 
     def __init__(
@@ -73,6 +81,8 @@ class WaveAugment(torch.nn.Module):
         pink_share: float = 0.5,
         cut_end_prob: float = 0.0,
         cut_end_max: float = 0.3,
+        channel_prob: float = 0.0,
+        channel_db: float = 10.0,
     ) -> None:
         super().__init__()
         speeds = [float(s) for s in speeds]
@@ -89,6 +99,11 @@ class WaveAugment(torch.nn.Module):
                 "cut_end_prob must lie in [0, 1] and cut_end_max in [0, 1); got "
                 f"{cut_end_prob} and {cut_end_max}."
             )
+        if not 0.0 <= channel_prob <= 1.0 or channel_db < 0:
+            raise ValueError(
+                "channel_prob must lie in [0, 1] and channel_db be >= 0; got "
+                f"{channel_prob} and {channel_db}."
+            )
         if len(snr_db) != 2 or snr_db[0] > snr_db[1]:
             raise ValueError(
                 f"snr_db must be [low, high] in dB with low <= high; got {list(snr_db)}."
@@ -100,13 +115,20 @@ class WaveAugment(torch.nn.Module):
         self.pink_share = float(pink_share)
         self.cut_end_prob = float(cut_end_prob)
         self.cut_end_max = float(cut_end_max)
+        self.channel_prob = float(channel_prob)
+        self.channel_db = float(channel_db)
         self._source_rate = self.sample_rate  # of the last batch (speed 1: the same)
         self._kept_permille: torch.Tensor | None = None  # of the last batch's end cuts
 
     @property
     def enabled(self) -> bool:
         """Whether any perturbation is on."""
-        return self.speeds != [1.0] or self.noise_prob > 0 or self.cut_end_prob > 0
+        return (
+            self.speeds != [1.0]
+            or self.noise_prob > 0
+            or self.cut_end_prob > 0
+            or (self.channel_prob > 0 and self.channel_db > 0)
+        )
 
     def forward(
         self, wavs: torch.Tensor, wav_lens: torch.Tensor
@@ -116,6 +138,8 @@ class WaveAugment(torch.nn.Module):
             return wavs, wav_lens
         wavs, wav_lens = self.perturb_speed(wavs, wav_lens)
         wavs, wav_lens = self.cut_ends(wavs, wav_lens)
+        if self.channel_prob > 0 and self.channel_db > 0:
+            wavs = self.random_channel(wavs, wav_lens)
         if self.noise_prob > 0:
             wavs = self.add_noise(wavs, wav_lens)
         return wavs, wav_lens
@@ -175,6 +199,27 @@ class WaveAugment(torch.nn.Module):
         if self._kept_permille is not None:
             wav_lens = self._cut_lengths(wav_lens, self._kept_permille.to(wav_lens.device))
         return wav_lens
+
+    def random_channel(self, wavs: torch.Tensor, wav_lens: torch.Tensor) -> torch.Tensor:
+        """Filter a random share ``channel_prob`` of the utterances through random channels.
+
+        Each channel is a smooth gain curve over frequency, in dB: three cosines of the
+        frequency axis (0 to Nyquist) with random signs and sizes, the slower ones larger
+        (a tilt, then broad bumps), never beyond ``channel_db`` up or down. It is applied
+        in the FFT domain of the whole padded utterance; padding stays zero.
+        """
+        batch, length = wavs.shape
+        device = wavs.device
+        orders = torch.arange(1, 4, device=device, dtype=torch.float32)  # [3]
+        weights = (1.0 / orders) / (1.0 / orders).sum()  # |curve| <= channel_db
+        coef = (2.0 * torch.rand(batch, 3, device=device) - 1.0) * weights * self.channel_db
+        coef = coef * (torch.rand(batch, 1, device=device) < self.channel_prob)
+        spectrum = torch.fft.rfft(wavs.float(), dim=-1)  # [B, length // 2 + 1]
+        freqs = torch.linspace(0.0, 1.0, spectrum.shape[-1], device=device)
+        curve_db = coef @ torch.cos(torch.pi * orders.unsqueeze(1) * freqs.unsqueeze(0))
+        filtered = torch.fft.irfft(spectrum * 10.0 ** (curve_db / 20.0), n=length, dim=-1)
+        valid = torch.arange(length, device=device) < wav_lens.to(device).unsqueeze(1)
+        return (filtered * valid).to(wavs.dtype)
 
     def add_noise(self, wavs: torch.Tensor, wav_lens: torch.Tensor) -> torch.Tensor:
         """Add white or pink noise at a random SNR to a random share of the utterances."""
@@ -303,5 +348,7 @@ def build_wave_augment(data_cfg: DictConfig) -> WaveAugment | None:
         pink_share=aug.pink_share,
         cut_end_prob=OmegaConf.select(aug, "cut_end_prob", default=0.0),
         cut_end_max=OmegaConf.select(aug, "cut_end_max", default=0.3),
+        channel_prob=OmegaConf.select(aug, "channel_prob", default=0.0),
+        channel_db=OmegaConf.select(aug, "channel_db", default=10.0),
     )
     return module if module.enabled else None

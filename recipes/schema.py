@@ -153,6 +153,8 @@ class WaveAugmentConfig:
         0.0  # share of utterances whose end is cut off, as an eager endpointer does (0: off)
     )
     cut_end_max: float = 0.3  # largest share of an utterance's length one cut removes
+    channel_prob: float = 0.0  # share of utterances through a random equaliser (0: off)
+    channel_db: float = 10.0  # widest gain of the random equaliser, dB up or down
 
 
 @dataclass

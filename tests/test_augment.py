@@ -162,3 +162,33 @@ def test_spec_augment_warps_each_utterance_reproducibly_in_training_only() -> No
 def test_vtlp_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match=r"freq_warp must lie in \[0, 0.5\)"):
         SpecAugment(freq_warp=0.6)
+
+
+def test_random_channel_is_a_smooth_bounded_equaliser_that_keeps_padding_and_lengths() -> None:
+    torch.manual_seed(0)
+    noise = torch.randn(4, 8000)
+    aug = WaveAugment(SR, channel_prob=1.0, channel_db=10.0).train()
+    assert aug.enabled
+    out, lens = aug(noise, torch.full((4,), 8000))
+    assert lens.tolist() == [8000] * 4
+    gain_db = 20 * torch.log10(torch.fft.rfft(out).abs() / torch.fft.rfft(noise).abs())
+    assert gain_db.abs().max() <= 10.0 + 1e-3  # never beyond channel_db
+    assert (gain_db.amax(1) - gain_db.amin(1)).min() > 1.0  # each utterance coloured
+    assert (gain_db.diff(dim=1).abs().max()) < 0.1  # smooth: no step between FFT bins
+    assert not torch.allclose(gain_db[0], gain_db[1])  # each its own channel
+    wavs, lens = _batch([8000, 4000])
+    out, out_lens = aug(wavs, lens)
+    assert torch.equal(out_lens, lens) and not out[1, 4000:].any()
+
+
+def test_random_channel_share_and_range_checks() -> None:
+    torch.manual_seed(0)
+    noise = torch.randn(200, 800)
+    aug = WaveAugment(SR, channel_prob=0.3, channel_db=6.0).train()
+    out, _ = aug(noise, torch.full((200,), 800))
+    changed = (out - noise).abs().amax(1) > 1e-4
+    assert 40 <= int(changed.sum()) <= 80  # ~30 % of 200
+    assert not WaveAugment(SR, channel_prob=0.5, channel_db=0.0).enabled
+    for prob, db in ((1.5, 10.0), (0.5, -1.0)):
+        with pytest.raises(ValueError, match="channel_prob .* channel_db"):
+            WaveAugment(SR, channel_prob=prob, channel_db=db)

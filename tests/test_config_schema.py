@@ -230,6 +230,8 @@ def test_label_smoothing_outside_zero_to_one_is_refused(value):
         ("data.wave_augment.snr_db=[30,10]", r"data.wave_augment: snr_db must be \[low, high\]"),
         ("data.wave_augment.cut_end_max=1", r"data.wave_augment: cut_end_prob .* cut_end_max"),
         ("data.wave_augment.speeds=[0.9,0]", r"data.wave_augment: speeds must be positive"),
+        ("data.wave_augment.channel_prob=2", r"data.wave_augment: channel_prob .* channel_db"),
+        ("data.wave_augment.channel_db=-3", r"data.wave_augment: channel_prob .* channel_db"),
         ("data.wave_augment.speeds=[]", r"data.wave_augment: speeds must be positive"),
     ],
 )
