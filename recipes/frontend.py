@@ -16,7 +16,6 @@ from omegaconf import DictConfig
 
 from amp_utils.autocast import fwd_default_precision
 
-
 #: How ``LogMelFeatures`` normalises each utterance (``data.features.normalize``).
 NORMALIZATIONS: tuple[str, ...] = ("per_bin", "utterance")
 

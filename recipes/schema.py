@@ -104,6 +104,8 @@ class ConformerConfig(ModelConfig):
     beam_size: int = MISSING  # hypotheses kept per frame by the lexicon decoder
     average_checkpoints: int = 1  # default trainer.average_checkpoints for this model
     cut_end_prob: float = 0.0  # default data.wave_augment.cut_end_prob on single digits
+    feature_normalize: str = "per_bin"  # default data.features.normalize on single digits
+    channel_prob: float = 0.0  # default data.wave_augment.channel_prob on single digits
 
 
 @dataclass

@@ -189,6 +189,26 @@ def test_end_cuts_are_on_only_where_they_were_measured(overrides, cut_prob):
 
 
 @pytest.mark.parametrize(
+    ("overrides", "normalize", "channel_prob"),
+    [
+        ([], "utterance", 0.5),  # ASR on single digits: measured on held-out speakers (README)
+        (["experiment=new_voices"], "utterance", 0.5),  # the same recipe underneath
+        (["model=xvector"], "per_bin", 0.0),  # speaker ID: not measured
+        (["data=fsdd_connected"], "per_bin", 0.0),  # connected digits: not measured
+        (["experiment=gpu_asr"], "per_bin", 0.0),  # Conformer-M on connected digits
+        (["data=fsdd_digits", "model.feature_normalize=per_bin"], "per_bin", 0.5),
+    ],
+)
+def test_utterance_normalisation_and_random_channels_are_on_only_where_measured(
+    overrides, normalize, channel_prob
+):
+    cfg = compose_config([*overrides, "output_dir=unused"])
+    validate_config(cfg)
+    assert cfg.data.features.normalize == normalize
+    assert cfg.data.wave_augment.channel_prob == channel_prob
+
+
+@pytest.mark.parametrize(
     ("overrides", "averaged"),
     [
         ([], 3),  # the ASR recipe tests the average of its 3 best checkpoints (README)
@@ -265,13 +285,16 @@ def test_synthetic_voices_without_the_engines_are_refused_before_any_work(monkey
     assert isinstance(err.value, USER_ERRORS)
 
 
-@pytest.mark.parametrize("data", ["fsdd_digits", "fsdd_connected", "manifest"])
-def test_feature_normalisation_defaults_to_per_bin_and_a_typo_names_the_choices(data) -> None:
+@pytest.mark.parametrize(
+    ("data", "default"),
+    [("fsdd_digits", "utterance"), ("fsdd_connected", "per_bin"), ("manifest", "per_bin")],
+)
+def test_feature_normalisation_defaults_and_a_typo_names_the_choices(data, default) -> None:
     overrides = [*FAST, f"data={data}"]
     if data == "manifest":
         overrides += ["data.train=t.csv", "data.valid=v.csv", "data.test=t.csv"]
     cfg = compose_config(overrides)
-    assert cfg.data.features.normalize == "per_bin"
+    assert cfg.data.features.normalize == default  # the ASR model's on single digits
     cfg = compose_config([*overrides, "data.features.normalize=global"])
     with pytest.raises(ConfigError, match="data.features.normalize='global'.*per_bin, utterance"):
         validate_config(cfg)

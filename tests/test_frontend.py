@@ -73,3 +73,21 @@ def test_utterance_normalisation_keeps_the_spectral_shape(wavs) -> None:
 def test_unknown_normalisation_names_the_choices() -> None:
     with pytest.raises(ValueError, match="per_bin, utterance"):
         LogMelFeatures(normalize="global")
+
+
+def test_runs_from_before_the_option_keep_per_bin_normalisation() -> None:
+    """A finished run's saved config without ``features.normalize`` (older runs) rebuilds the
+    front end it was trained with: per-bin, not the newer ASR default."""
+    from omegaconf import OmegaConf
+
+    from recipes.frontend import build_features
+
+    old = OmegaConf.create(
+        {
+            "sample_rate": 8000,
+            "features": {"n_mels": 40, "n_fft": 256, "win_length": 200, "hop_length": 80},
+        }
+    )
+    assert build_features(old).normalize == "per_bin"
+    old.features.normalize = "utterance"
+    assert build_features(old).normalize == "utterance"
