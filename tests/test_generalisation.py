@@ -66,8 +66,10 @@ def test_wave_augment_is_built_from_the_config_and_keeps_ctc_lengths_right(tmp_p
         "data.spec_augment.freq_warp=0.1",
         "data.wave_augment.cut_end_prob=0",  # the speed change alone sets the lengths below
     )
-    no_cuts = fast_cfg(tmp_path, fsdd_root, "data.wave_augment.cut_end_prob=0")
-    assert "wave_augment" not in build_modules(no_cuts, ("s",))
+    no_augment = fast_cfg(
+        tmp_path, fsdd_root, "data.wave_augment.cut_end_prob=0", "data.wave_augment.channel_prob=0"
+    )
+    assert "wave_augment" not in build_modules(no_augment, ("s",))
     data = build_data(cfg, torch.device("cpu"))
     brain = build_brain(cfg, data, None, None)
     assert isinstance(brain.modules.wave_augment, WaveAugment)
@@ -85,11 +87,15 @@ def test_wave_augment_is_built_from_the_config_and_keeps_ctc_lengths_right(tmp_p
 
 
 def test_default_asr_end_cuts_keep_host_ctc_lengths_right(tmp_path, fsdd_root):
-    """The ASR recipe cuts utterance ends by default: host lengths follow the cuts."""
+    """The ASR recipe cuts utterance ends by default: host lengths follow the cuts. Its
+    other single-digit defaults reach the modules too: random channels and utterance
+    normalisation."""
     cfg = fast_cfg(tmp_path, fsdd_root)
     assert cfg.data.wave_augment.cut_end_prob == 0.3
     data = build_data(cfg, torch.device("cpu"))
     brain = build_brain(cfg, data, None, None)
+    assert brain.modules.wave_augment.channel_prob == 0.5
+    assert brain.modules.features.normalize == "utterance"
     brain.modules.train()
     batch = next(iter(data.train)).to(brain.device)
     uncut = batch.host.wav_lens.clone()
