@@ -27,7 +27,8 @@ formants as a longer or shorter vocal tract would, without touching pitch or tem
 **SpecAugment** (frequency and time masks).
 
 Gain is not perturbed: the log-mel front end normalises every utterance to zero mean and
-unit variance per mel band, so a gain change does not reach the model.
+unit variance (per mel band or over all bands, ``data.features.normalize``), so a gain change
+does not reach the model.
 
 Random draws come from torch's global generators (the CPU one for choices, the device's
 for noise), which the ``Brain`` saves with every checkpoint: a resumed run draws the same

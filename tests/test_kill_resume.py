@@ -252,7 +252,29 @@ def prepared(fsdd_root, tmp_path_factory) -> Path:
     return out
 
 
-FAST_SCENARIO = draw(SEED, kills=2)
+def fast_precisions() -> tuple[str, ...]:
+    """Precisions the default (CI) scenario draws from.
+
+    Not emulated fp16 on a CPU with AVX512-FP16 but no AMX-FP16 (Intel Xeon, family 6 model
+    167): there a tiny Conformer's fp16 run stalled in its first step's depthwise
+    convolution and hit the 600 s timeout (2026-11-25, seed 250839). fp16 resume stays in
+    the slow test and in the default scenario on every other CPU.
+    """
+    from amp_utils.precision import cpu_native_precisions
+
+    if "fp16" not in cpu_native_precisions() and _cpu_has_flag("avx512_fp16"):
+        return tuple(p for p in PRECISIONS if p != "fp16")
+    return PRECISIONS
+
+
+def _cpu_has_flag(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+FAST_SCENARIO = draw(SEED, kills=2, precision=random.Random(SEED).choice(fast_precisions()))
 
 
 @pytest.mark.parametrize("scenario", [FAST_SCENARIO], ids=[FAST_SCENARIO.name])
