@@ -91,10 +91,8 @@ class LogMelFeatures(torch.nn.Module):
         frames = torch.arange(feats.shape[1], device=feats.device)
         mask = (frames.unsqueeze(0) < frame_lens.unsqueeze(1)).unsqueeze(-1)  # [B, F, 1]
         # Statistics over the valid frames (dim 1), and over the bins too for "utterance".
-        dims = (1,) if self.normalize == "per_bin" else (1, 2)
-        count = frame_lens.view(-1, 1, 1).to(feats.dtype)
-        if self.normalize == "utterance":
-            count = count * feats.shape[2]
+        dims, bins = ((1,), 1) if self.normalize == "per_bin" else ((1, 2), feats.shape[2])
+        count = frame_lens.view(-1, 1, 1).to(feats.dtype) * bins
         mean = (feats * mask).sum(dim=dims, keepdim=True) / count
         var = (((feats - mean) * mask) ** 2).sum(dim=dims, keepdim=True) / count
         feats = (feats - mean) / torch.sqrt(var + 1e-5)

@@ -80,12 +80,14 @@ def draw(
     model: str | None = None,
     trigger: str | None = None,
     precision: str | None = None,
+    precisions: tuple[str, ...] = PRECISIONS,
 ) -> Scenario:
-    """A scenario drawn from ``seed``: ``kills`` kills in random (non-decreasing) epochs."""
+    """A scenario drawn from ``seed``: ``kills`` kills in random (non-decreasing) epochs;
+    the precision, unless given, from ``precisions``."""
     rng = random.Random(seed)
     model = model or rng.choice(sorted(MODELS))
     trigger = trigger or rng.choice(sorted(TRIGGERS))
-    precision = precision or rng.choice(PRECISIONS)
+    precision = precision or rng.choice(precisions)
     args = (*MODELS[model], f"precision={precision}", *TRIGGERS[trigger](rng))
     # At most 3 kills per epoch, each after 1-2 new mid-epoch checkpoints (at most every 2
     # steps) plus a delay that may fall into a checkpoint write: 12 of the ~15 steps of an
@@ -274,7 +276,7 @@ def _cpu_has_flag(flag: str) -> bool:
         return False
 
 
-FAST_SCENARIO = draw(SEED, kills=2, precision=random.Random(SEED).choice(fast_precisions()))
+FAST_SCENARIO = draw(SEED, kills=2, precisions=fast_precisions())
 
 
 @pytest.mark.parametrize("scenario", [FAST_SCENARIO], ids=[FAST_SCENARIO.name])
