@@ -20,13 +20,24 @@ So on a CPU the attention core runs in fp32 (its inputs cast up, its output cast
 the autocast dtype, so the layers around it keep their precision): 3.8x faster on one-digit
 batches, on par at 8 s, 13 % slower at 16 s, where bf16 flash starts to pay. On CUDA
 nothing changes.
+
+Convolutions under fp16 on a CPU are worse: on an Intel Xeon with AVX512-FP16 but no
+AMX-FP16 (Sapphire Rapids class, torch 2.11), oneDNN's fp16 depthwise convolution never
+returns for some batch shapes (its JIT kernel generator, ``jit_brdgmm_kernel_base_t``,
+loops forever: a Conformer's ``[1, 32, 58]`` input, kernel 15, hangs; ``[32, 32, 50]`` takes
+0.4 ms), and an fp16 ``Conv2d`` backward takes 3 s where fp32 takes 30 ms. The x-vector
+model trained at 0.01x fp32's speed in fp16 there, and the Conformer's fp16 training hung
+in its first step (``benchmarks/results/2026-11-25-cpu-fp16-conv.md``). ``Conv1d`` and
+``Conv2d`` here are ``nn.Conv1d``/``nn.Conv2d`` (same parameters and state-dict keys) that
+compute in fp32 on a CPU under fp16 autocast, so fp16 trains at about fp32's speed there;
+bf16 convolutions are fast on CPUs and keep their dtype, and on CUDA nothing changes.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 #: Reduced-precision dtypes whose CPU attention kernels are slower than fp32's.
 _SLOW_ON_CPU = (torch.bfloat16, torch.float16)
@@ -50,3 +61,42 @@ def scaled_dot_product_attention(
             )
         return out.to(query.dtype)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask)
+
+
+def fp16_on_cpu(x: Tensor) -> bool:
+    """True when an op on ``x`` would compute in fp16 on a CPU: an fp16 tensor, or any
+    floating tensor under CPU autocast to fp16.
+
+    Depends only on the device, the dtype and the autocast state, so ``torch.compile``
+    guards on those, never on values.
+    """
+    if x.device.type != "cpu":
+        return False
+    if x.dtype == torch.float16:
+        return True
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+
+
+class _FP32ConvOnCPUFp16:
+    """Mixin for ``nn.ConvNd``: fp32 on a CPU where the op would compute in fp16."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.ConvNd's argument name)
+        """The convolution; on a CPU in fp16, computed in fp32 and returned as fp16."""
+        if not fp16_on_cpu(input):
+            return super().forward(input)  # type: ignore[misc]
+        bias = None if self.bias is None else self.bias.float()
+        # Autocast off: under CPU autocast the conv would cast fp32 inputs back to fp16.
+        with torch.autocast("cpu", enabled=False):
+            out = self._conv_forward(input.float(), self.weight.float(), bias)  # type: ignore[attr-defined]
+        return out.to(torch.float16)
+
+
+class Conv1d(_FP32ConvOnCPUFp16, nn.Conv1d):
+    """``nn.Conv1d`` that computes in fp32 on a CPU under fp16 (see the module docstring)."""
+
+
+class Conv2d(_FP32ConvOnCPUFp16, nn.Conv2d):
+    """``nn.Conv2d`` that computes in fp32 on a CPU under fp16 (see the module docstring)."""

@@ -7,6 +7,7 @@ instead of failing (or silently falling back) in the middle of a run.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,10 @@ AUTO = "auto"
 #: Slowdown of emulated bf16/fp16 against fp32 on a CPU without native support, as measured
 #: (default ASR recipe, AMD EPYC with AVX2 only: fp32 160 utt/s, bf16 16, fp16 14).
 EMULATED_CPU_SLOWDOWN = "about 10x slower than fp32"
+#: fp16 on a CPU with AVX512-FP16 but no AMX-FP16, as measured on an Intel Xeon (family 6
+#: model 167) with the recipes' convolutions in fp32 (``amp_utils.fast_kernels``): training
+#: steps at 1.03-1.06x fp32 (Conformer) and 1.09-1.24x (x-vector), where bf16 ran at 1.17-1.33x.
+AVX512_FP16_SPEED = "about as fast as fp32 (measured 1.03-1.24x fp32 per training step)"
 
 logger = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
@@ -119,6 +124,18 @@ def cpu_native_precisions() -> frozenset[str]:
     return frozenset(native)
 
 
+def cpu_has_avx512_fp16() -> bool:
+    """Whether this CPU has AVX512-FP16 (``/proc/cpuinfo``; torch has no probe for it).
+
+    oneDNN then runs fp16 natively enough to reach fp32's speed, not beyond it (no AMX-FP16).
+    False where ``/proc/cpuinfo`` cannot be read. Tests patch this function.
+    """
+    try:
+        return "avx512_fp16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
     """The precision to use for ``name`` on ``device``, and why.
 
@@ -141,14 +158,28 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
 
 
 def warn_if_emulated(amp: AMPConfig, device: torch.device) -> bool:
-    """Warn (once per precision) when ``amp`` would be emulated on this CPU; True if so."""
+    """Warn (once per precision) when ``amp`` is not native on this CPU; True if so.
+
+    Emulated bf16/fp16 is about 10x slower than fp32; fp16 on a CPU with AVX512-FP16 but no
+    AMX-FP16 is about as fast as fp32 (with ``fast_kernels``' fp32 convolutions), a gain of
+    nothing: each gets its own message, with what to use instead.
+    """
     if device.type != "cpu" or amp.dtype == torch.float32:
         return False
     if amp.name in cpu_native_precisions():
         return False
     needs = "AVX512-BF16 or AMX" if amp.name == "bf16" else "AMX-FP16"
-    if (amp.name, device.type) not in _warned:
-        _warned.add((amp.name, device.type))
+    if (amp.name, device.type) in _warned:
+        return True
+    _warned.add((amp.name, device.type))
+    if amp.name == "fp16" and cpu_has_avx512_fp16():
+        logger.warning(
+            "precision=fp16 on a CPU with AVX512-FP16 but without AMX-FP16: fp16 runs %s here, "
+            "so it gains nothing and adds loss scaling. Use precision=auto (bf16 where this "
+            "CPU has it natively) or precision=fp32.",
+            AVX512_FP16_SPEED,
+        )
+    else:
         logger.warning(
             "precision=%s on a CPU without %s: PyTorch emulates %s here, %s (measured on an "
             "AVX2-only AMD EPYC). Use precision=fp32, or precision=auto to pick the fastest "

@@ -226,6 +226,7 @@ def test_auto_precision_on_a_gpu(monkeypatch, bf16, expected):
 
 def test_emulated_cpu_precision_warns_once_naming_the_capability(monkeypatch, caplog):
     monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    monkeypatch.setattr("amp_utils.precision.cpu_has_avx512_fp16", lambda: False)
     monkeypatch.setattr("amp_utils.precision._warned", set())
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING, logger="amp_utils.precision"):
@@ -238,6 +239,31 @@ def test_emulated_cpu_precision_warns_once_naming_the_capability(monkeypatch, ca
     assert "precision=fp32" in messages[0] and "precision=auto" in messages[0]
     monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset({"bf16"}))
     assert not warn_if_emulated(AMPConfig.from_name("bf16"), cpu)
+
+
+@pytest.mark.parametrize("avx512_fp16", [True, False])
+def test_cpu_fp16_warning_tells_fp32_speed_from_emulation(monkeypatch, caplog, avx512_fp16):
+    """With AVX512-FP16 (no AMX-FP16) fp16 reaches fp32's speed, not 10x slower: the warning
+    says which, and points to precision=auto."""
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset({"bf16"}))
+    monkeypatch.setattr("amp_utils.precision.cpu_has_avx512_fp16", lambda: avx512_fp16)
+    monkeypatch.setattr("amp_utils.precision._warned", set())
+    with caplog.at_level(logging.WARNING, logger="amp_utils.precision"):
+        assert warn_if_emulated(AMPConfig.from_name("fp16"), torch.device("cpu"))
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "AMX-FP16" in message and "precision=auto" in message
+    assert ("as fast as fp32" in message) == avx512_fp16
+    assert ("10x slower" in message) == (not avx512_fp16)
+
+
+def test_cpu_has_avx512_fp16_reads_cpuinfo(monkeypatch):
+    from amp_utils import precision
+
+    flags = {"cpuinfo": "flags : fpu avx2 avx512_fp16 amx_bf16\n"}
+    monkeypatch.setattr(precision.Path, "read_text", lambda self, *a, **k: flags["cpuinfo"])
+    assert precision.cpu_has_avx512_fp16()
+    flags["cpuinfo"] = "flags : fpu avx2 avx512_bf16 avx512_fp16x\n"
+    assert not precision.cpu_has_avx512_fp16()
 
 
 def test_brain_resolves_auto_and_logs_why(monkeypatch, caplog):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from amp_utils import fast_kernels
 from amp_utils.autocast import fwd_default_precision
 from amp_utils.fast_kernels import scaled_dot_product_attention
 
@@ -50,7 +51,9 @@ class Conv2dSubsampling(nn.Module):
         freq = n_mels
         in_channels = 1
         for _ in range(num_convs):
-            layers += [nn.Conv2d(in_channels, d_model, kernel_size=3, stride=2), nn.ReLU()]
+            # fp32 on a CPU under fp16: oneDNN's fp16 convs crawl there (fast_kernels)
+            conv = fast_kernels.Conv2d(in_channels, d_model, kernel_size=3, stride=2)
+            layers += [conv, nn.ReLU()]
             in_channels = d_model
             freq = (freq - 1) // 2
         if freq < 1:
@@ -145,7 +148,8 @@ class ConvModule(nn.Module):
             raise ValueError(f"conv_kernel must be odd to keep the length, got {kernel_size}")
         self.norm = nn.LayerNorm(d_model)
         self.pointwise_in = nn.Linear(d_model, 2 * d_model)
-        self.depthwise = nn.Conv1d(
+        # fp32 on a CPU under fp16: oneDNN's fp16 depthwise conv hangs there (fast_kernels)
+        self.depthwise = fast_kernels.Conv1d(
             d_model, d_model, kernel_size, padding=kernel_size // 2, groups=d_model
         )
         self.conv_norm = nn.LayerNorm(d_model)
