@@ -21,8 +21,9 @@ AUTO = "auto"
 EMULATED_CPU_SLOWDOWN = "about 10x slower than fp32"
 #: fp16 on a CPU with AVX512-FP16 but no AMX-FP16, as measured on an Intel Xeon (family 6
 #: model 167) with the recipes' convolutions in fp32 (``amp_utils.fast_kernels``): training
-#: steps at 1.03-1.06x fp32 (Conformer) and 1.09-1.24x (x-vector), where bf16 ran at 1.17-1.33x.
-AVX512_FP16_SPEED = "about as fast as fp32 (measured 1.03-1.24x fp32 per training step)"
+#: steps at 1.01-1.04x fp32 (Conformer) and 1.13-1.14x (x-vector), 0.92-0.94x end to end,
+#: where bf16 ran at 1.12-1.76x (benchmarks/results/2026-11-25-cpu-fp16-conv.md).
+AVX512_FP16_SPEED = "about as fast as fp32 (measured 0.92-0.94x fp32 end to end)"
 
 logger = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
