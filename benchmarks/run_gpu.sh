@@ -14,6 +14,11 @@
 # keeps a summary and a tarball of $WORK without checkpoints and event files.
 # The sizes come from the environment so that a CPU dry run (DEVICE=cpu and tiny *_EXTRA
 # overrides) checks the whole script in minutes.
+# CPU dry run, every part in ~3 min on 2 cores (2026-11-25; the small parts stop at their limits):
+#   DEVICE=cpu BENCH_STEPS=2 M_BATCH=4 BENCH_UTTS=300 TRAIN_UTTS=200 TRAIN_BATCH=20 TRAIN_EPOCHS=1 \
+#   TRAIN_WARMUP=5 TRAIN_WORKERS=0 BENCH_WORKERS=0 SWEEP_PRECISIONS="fp32 bf16" \
+#   M_EXTRA="model.d_model=32 model.num_layers=1 model.num_heads=2 model.ffn_dim=64 trainer.compile=false data.num_valid=20 data.num_test=20" \
+#   SMALL_EXTRA="benchmark.batch_size=4 trainer.compile=false" OUT=/tmp/gpu_dry bash benchmarks/run_gpu.sh
 set -u
 OUT=${OUT:-benchmarks/out}         # what to keep: parts.txt, summary.md, results_*.tgz
 WORK=${WORK:-$OUT}                 # where the parts write (checkpoints, logs, tables)
