@@ -73,6 +73,7 @@ from amp_utils.precision import (
 from amp_utils.rng_state import capture_rng_state, restore_rng_state
 from amp_utils.run_options import RunOptions
 from amp_utils.running_mean import RunningMean
+from amp_utils.stall_watchdog import StallWatchdog
 from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class Brain:
             decide_every=self.run_opts.log_interval_steps,
         )
         self.stop_signals = StopSignals()
+        self.stall_watchdog = StallWatchdog(self.run_opts.stall_warning_minutes, self._position)
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizers_dict: dict[str, torch.optim.Optimizer] = {}
@@ -186,6 +188,8 @@ class Brain:
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._epoch_start = time.perf_counter()
         self._epoch_counter: Any = None
+        self._stage: Stage | None = None  # the stage running, and its epoch (stall warning)
+        self._stage_epoch: int | None = None
         self.evaluated_checkpoint: Checkpoint | None = None  # what the last evaluate loaded
         self._compiled = False
         self._cudagraphs = False  # compiled modules replay CUDA graphs: mark each step
@@ -513,7 +517,7 @@ class Brain:
         self.on_fit_start()
         enable = self._progressbar(progressbar)
         reset_peak_memory(self.device)
-        with self.stop_signals:
+        with self.stop_signals, self.stall_watchdog:
             for epochs_run, epoch in enumerate(epoch_counter, start=1):
                 self._fit_train(train_set, epoch, enable)
                 self._fit_valid(valid_set, epoch, enable)
@@ -525,12 +529,18 @@ class Brain:
         limit = getattr(self._epoch_counter, "limit", None)
         return f"{epoch}/{limit}" if limit is not None and epoch is not None else str(epoch)
 
+    def _position(self) -> str:
+        """Where the loop is, for the stall warning: ``"epoch 3/30, TRAIN batch 13"``."""
+        stage = self._stage.name if self._stage is not None else "?"
+        return f"epoch {self.epoch_label(self._stage_epoch)}, {stage} batch {self.step + 1}"
+
     def _progressbar(self, requested: bool | None) -> bool:
         """Whether to show progress bars: as requested, and only on rank 0."""
         enable = (not self.run_opts.noprogressbar) if requested is None else requested
         return enable and self.distributed.is_main
 
     def _fit_train(self, train_set: DataLoader, epoch: int, enable: bool) -> None:
+        self._stage, self._stage_epoch = Stage.TRAIN, epoch  # for the stall warning
         self.on_stage_start(Stage.TRAIN, epoch)
         self.modules.train()
         self.zero_grad()
@@ -556,6 +566,7 @@ class Brain:
                     break
                 utterances, audio_s = self.batch_stats(batch)
                 self.train_step(batch)
+                self.stall_watchdog.beat()
                 self.train_stats["utterances"] += utterances
                 self.train_stats["audio_s"] += audio_s
                 self._resume_step = self.step
@@ -581,6 +592,7 @@ class Brain:
     def _run_eval_loop(
         self, loader: DataLoader, stage: Stage, epoch: int | None, enable: bool
     ) -> float:
+        self._stage, self._stage_epoch = stage, epoch  # for the stall warning
         self.on_stage_start(stage, epoch)
         self.modules.eval()
         self.step = 0
@@ -593,6 +605,7 @@ class Brain:
                 self.step += 1
                 loss = self.evaluate_batch(batch, stage)
                 stage_loss.add(float(loss))
+                self.stall_watchdog.beat()
         if self.distributed.world_size > 1:  # each rank saw its own shard of the split
             totals = all_reduce_counts(
                 {"loss": stage_loss.mean * stage_loss.count, "batches": stage_loss.count}
@@ -628,7 +641,8 @@ class Brain:
             test_set = self.make_dataloader(test_set, Stage.TEST, **(test_loader_kwargs or {}))
         self.on_evaluate_start(max_key=max_key, min_key=min_key)
         enable = self._progressbar(progressbar)
-        avg_test_loss = self._run_eval_loop(test_set, Stage.TEST, None, enable)
+        with self.stall_watchdog:
+            avg_test_loss = self._run_eval_loop(test_set, Stage.TEST, None, enable)
         self.on_stage_end(Stage.TEST, avg_test_loss, None)
         self.step = 0
         return avg_test_loss

@@ -227,6 +227,7 @@ class TrainerConfig:
     noprogressbar: bool = MISSING
     ckpt_interval_minutes: float = MISSING
     ckpt_interval_steps: int = MISSING
+    stall_warning_minutes: float = MISSING
     keep_checkpoints: int = MISSING
     average_checkpoints: int = field(
         default=1,

@@ -1,0 +1,98 @@
+"""amp_utils.stall_watchdog: a run with no finished batch for a while says where it is stuck."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+from amp_utils import Stage
+from amp_utils.stall_watchdog import StallWatchdog
+from tests.test_brain import RegressionBrain, make_data, make_model, run_opts, sgd
+
+#: 0.1 s, in minutes: the tests' stall threshold.
+TENTH_OF_A_SECOND = 0.1 / 60
+
+
+def _watchdog_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "stall-watchdog"]
+
+
+def stuck_in_an_op(seconds: float) -> None:
+    """Stands for a kernel that does not return (sleep, like a torch op, frees the GIL)."""
+    time.sleep(seconds)
+
+
+def test_a_stall_is_logged_with_the_main_threads_stack_then_its_end(caplog):
+    where = lambda: "epoch 1/3, TRAIN batch 7"  # noqa: E731
+    with (
+        caplog.at_level(logging.WARNING, logger="amp_utils.stall_watchdog"),
+        StallWatchdog(TENTH_OF_A_SECOND, where=where) as dog,
+    ):
+        stuck_in_an_op(0.5)
+        dog.beat()
+    messages = [r.getMessage() for r in caplog.records]
+    stalls = [m for m in messages if m.startswith("No batch has finished")]
+    # 0.5 s of stall with a 0.1 s threshold: one warning per further 0.1 s, not one per poll
+    assert 2 <= len(stalls) <= 5, messages
+    assert "(at epoch 1/3, TRAIN batch 7)" in stalls[0]
+    assert "in stuck_in_an_op" in stalls[0] and "time.sleep(seconds)" in stalls[0]
+    assert "kill -9" in stalls[0] and "trainer.stall_warning_minutes" in stalls[0]
+    assert messages[-1] == "The stall is over: a batch finished."
+    assert not _watchdog_threads()
+
+
+def test_regular_batches_never_warn(caplog):
+    with (
+        caplog.at_level(logging.WARNING, logger="amp_utils.stall_watchdog"),
+        StallWatchdog(TENTH_OF_A_SECOND) as dog,
+    ):
+        for _ in range(20):
+            time.sleep(0.02)
+            dog.beat()
+    assert not caplog.records
+
+
+def test_zero_minutes_starts_no_thread_and_nested_use_keeps_one():
+    with StallWatchdog(0.0) as dog:
+        assert not dog.enabled and not _watchdog_threads()
+    dog = StallWatchdog(1.0)
+    with dog:
+        with dog:  # evaluate() inside fit()
+            assert len(_watchdog_threads()) == 1
+        assert len(_watchdog_threads()) == 1
+    assert not _watchdog_threads()
+
+
+def test_the_brain_names_stage_batch_and_the_stuck_forward(caplog):
+    class StuckOnce(RegressionBrain):
+        """The second training batch of epoch 2 takes 0.4 s (a stuck op)."""
+
+        def compute_forward(self, batch, stage):
+            if stage == Stage.TRAIN and self.step == 1 and self._stage_epoch == 2:
+                stuck_in_an_op(0.4)
+            return super().compute_forward(batch, stage)
+
+    brain = StuckOnce(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(stall_warning_minutes=TENTH_OF_A_SECOND),
+    )
+    data = DataLoader(make_data(), batch_size=8)
+    with caplog.at_level(logging.WARNING, logger="amp_utils.stall_watchdog"):
+        brain.fit(range(1, 3), data, valid_set=data)
+        brain.evaluate(data)
+    stalls = [r.getMessage() for r in caplog.records if "No batch has finished" in r.getMessage()]
+    assert stalls, [r.getMessage() for r in caplog.records]
+    assert "(at epoch 2, TRAIN batch 2)" in stalls[0]
+    assert "in compute_forward" in stalls[0] and "stuck_in_an_op" in stalls[0]
+    assert not _watchdog_threads()
+    assert torch.isfinite(torch.tensor(brain.avg_train_loss))
+
+
+def test_brain_default_watchdog_waits_ten_minutes():
+    brain = RegressionBrain({"model": make_model()}, run_opts=run_opts())
+    assert brain.stall_watchdog.seconds == 600.0
