@@ -530,9 +530,13 @@ class Brain:
         return f"{epoch}/{limit}" if limit is not None and epoch is not None else str(epoch)
 
     def _position(self) -> str:
-        """Where the loop is, for the stall warning: ``"epoch 3/30, TRAIN batch 13"``."""
+        """Where the loop is, for the stall warning: ``"epoch 3/30, TRAIN batch 13 started"``.
+
+        ``self.step`` counts the stage's batches started; the warning's stack tells a batch
+        stuck in the model from a loader stuck before the next one.
+        """
         stage = self._stage.name if self._stage is not None else "?"
-        return f"epoch {self.epoch_label(self._stage_epoch)}, {stage} batch {self.step + 1}"
+        return f"epoch {self.epoch_label(self._stage_epoch)}, {stage} batch {self.step} started"
 
     def _progressbar(self, requested: bool | None) -> bool:
         """Whether to show progress bars: as requested, and only on rank 0."""
