@@ -169,7 +169,6 @@ def warn_if_emulated(amp: AMPConfig, device: torch.device) -> bool:
         return False
     if amp.name in cpu_native_precisions():
         return False
-    needs = "AVX512-BF16 or AMX" if amp.name == "bf16" else "AMX-FP16"
     if (amp.name, device.type) in _warned:
         return True
     _warned.add((amp.name, device.type))
@@ -181,6 +180,7 @@ def warn_if_emulated(amp: AMPConfig, device: torch.device) -> bool:
             AVX512_FP16_SPEED,
         )
     else:
+        needs = "AVX512-BF16 or AMX" if amp.name == "bf16" else "AMX-FP16"
         logger.warning(
             "precision=%s on a CPU without %s: PyTorch emulates %s here, %s (measured on an "
             "AVX2-only AMD EPYC). Use precision=fp32, or precision=auto to pick the fastest "

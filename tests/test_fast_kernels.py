@@ -24,22 +24,26 @@ def _qkv(dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(shape, generator=generator).to(device, dtype) for _ in range(3))
 
 
-def _recording_sdpa(monkeypatch) -> list[torch.dtype]:
-    """Patch the SDPA that fast_kernels calls so that the test sees its input dtypes."""
+def _recording(monkeypatch, name: str) -> list[torch.dtype]:
+    """Patch ``F.<name>`` (what ``fast_kernels`` and ``nn.ConvNd`` call) so that the test sees
+    the dtype each call computes in: autocast's where it is on (it casts below ``F``; SDPA
+    and convolutions are on its lower-precision list), else the input's."""
     seen: list[torch.dtype] = []
-    real = F.scaled_dot_product_attention
+    real = getattr(F, name)
 
-    def recording(query, key, value, **kwargs):
-        seen.append(query.dtype)
-        return real(query, key, value, **kwargs)
+    def recording(input, *args, **kwargs):
+        device = input.device.type
+        autocast = torch.is_autocast_enabled(device)
+        seen.append(torch.get_autocast_dtype(device) if autocast else input.dtype)
+        return real(input, *args, **kwargs)
 
-    monkeypatch.setattr(fast_kernels.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(F, name, recording)
     return seen
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_attention_in_reduced_precision_runs_in_fp32_and_returns_its_dtype(monkeypatch, dtype):
-    seen = _recording_sdpa(monkeypatch)
+    seen = _recording(monkeypatch, "scaled_dot_product_attention")
     query, key, value = _qkv(dtype)
     mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
     mask[0, ..., 5:] = False  # padded keys of the first utterance
@@ -53,7 +57,7 @@ def test_cpu_attention_in_reduced_precision_runs_in_fp32_and_returns_its_dtype(m
 
 
 def test_fp32_attention_is_passed_through_unchanged(monkeypatch):
-    seen = _recording_sdpa(monkeypatch)
+    seen = _recording(monkeypatch, "scaled_dot_product_attention")
     query, key, value = _qkv(torch.float32)
     out = scaled_dot_product_attention(query, key, value)
     assert seen == [torch.float32]
@@ -62,7 +66,7 @@ def test_fp32_attention_is_passed_through_unchanged(monkeypatch):
 
 def test_conformer_attention_under_cpu_bf16_autocast_uses_fp32_attention(monkeypatch):
     """The ASR model's attention block gets the fp32 core; its projections stay bf16."""
-    seen = _recording_sdpa(monkeypatch)
+    seen = _recording(monkeypatch, "scaled_dot_product_attention")
     block = SelfAttention(d_model=16, num_heads=4, dropout=0.0).eval()
     x = torch.randn(2, 5, 16)
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
@@ -80,7 +84,7 @@ def test_backward_through_the_fp32_core_reaches_reduced_precision_inputs():
 
 @pytest.mark.gpu
 def test_cuda_attention_keeps_its_reduced_precision(cuda_device, monkeypatch):
-    seen = _recording_sdpa(monkeypatch)
+    seen = _recording(monkeypatch, "scaled_dot_product_attention")
     query, key, value = _qkv(torch.bfloat16, device=str(cuda_device))
     assert scaled_dot_product_attention(query, key, value).dtype == torch.bfloat16
     assert seen == [torch.bfloat16]
@@ -89,45 +93,26 @@ def test_cuda_attention_keeps_its_reduced_precision(cuda_device, monkeypatch):
 # --- convolutions: fp32 on a CPU under fp16 ------------------------------------------------
 
 
-def _recording_conv(monkeypatch, name: str) -> list[torch.dtype]:
-    """Patch ``F.<name>`` (what ``nn.ConvNd`` calls) so that the test sees the dtype each call
-    computes in: autocast's (it casts below ``F``, convolutions are on its lower-precision
-    list) or else the input's."""
-    seen: list[torch.dtype] = []
-    real = getattr(F, name)
-
-    def recording(input, weight, *args, **kwargs):
-        device = input.device.type
-        autocast = torch.is_autocast_enabled(device)
-        seen.append(torch.get_autocast_dtype(device) if autocast else input.dtype)
-        return real(input, weight, *args, **kwargs)
-
-    monkeypatch.setattr(F, name, recording)
-    return seen
-
-
-CONVS = {  # fast conv, its torch class, an input, F's function it calls
+CONVS = {  # F's function the conv calls: the fast conv, its torch class, an input shape
     "conv1d": (
         lambda: fast_kernels.Conv1d(6, 6, 5, padding=2, groups=6),  # depthwise, as the Conformer's
         nn.Conv1d,
         (3, 6, 11),
-        "conv1d",
     ),
     "conv2d": (
         lambda: fast_kernels.Conv2d(1, 4, 3, stride=2),  # as the Conformer's subsampling
         nn.Conv2d,
         (3, 1, 9, 10),
-        "conv2d",
     ),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(CONVS))
 def test_cpu_fp16_autocast_convolution_runs_in_fp32_and_returns_fp16(monkeypatch, kind):
-    make, _, shape, function = CONVS[kind]
+    make, _, shape = CONVS[kind]
     torch.manual_seed(0)
     conv, x = make(), torch.randn(shape)
-    seen = _recording_conv(monkeypatch, function)
+    seen = _recording(monkeypatch, kind)
     with torch.autocast("cpu", dtype=torch.float16):
         out = conv(x)
     assert seen == [torch.float32] and out.dtype == torch.float16
@@ -137,9 +122,9 @@ def test_cpu_fp16_autocast_convolution_runs_in_fp32_and_returns_fp16(monkeypatch
 @pytest.mark.parametrize("kind", sorted(CONVS))
 def test_fp16_module_on_cpu_without_autocast_computes_in_fp32(monkeypatch, kind):
     """A model cast with ``.half()`` on a CPU: fp16 in, fp16 out, fp32 arithmetic."""
-    make, _, shape, function = CONVS[kind]
+    make, _, shape = CONVS[kind]
     conv = make().half()
-    seen = _recording_conv(monkeypatch, function)
+    seen = _recording(monkeypatch, kind)
     out = conv(torch.randn(shape).half())
     assert seen == [torch.float32] and out.dtype == torch.float16
 
@@ -148,12 +133,12 @@ def test_fp16_module_on_cpu_without_autocast_computes_in_fp32(monkeypatch, kind)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_fp32_and_bf16_convolutions_are_those_of_torch(monkeypatch, kind, dtype):
     """Only fp16 changes: bf16 convolutions are fast on CPUs and keep their dtype."""
-    make, torch_class, shape, function = CONVS[kind]
+    make, torch_class, shape = CONVS[kind]
     torch.manual_seed(0)
     conv, x = make(), torch.randn(shape)
     plain = torch_class(**_conv_args(conv))
     plain.load_state_dict(conv.state_dict())
-    seen = _recording_conv(monkeypatch, function)
+    seen = _recording(monkeypatch, kind)
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         out, expected = conv(x), plain(x)
     assert seen == [dtype, dtype] and out.dtype == dtype
@@ -174,7 +159,7 @@ def _conv_args(conv: nn.Module) -> dict:
 @pytest.mark.parametrize("kind", sorted(CONVS))
 def test_fast_convolution_is_a_torch_convolution_with_its_state_dict(kind):
     """Checkpoints of models with ``nn.ConvNd`` load into the fast ones and back."""
-    make, torch_class, _, _ = CONVS[kind]
+    make, torch_class, _ = CONVS[kind]
     conv = make()
     plain = torch_class(**_conv_args(conv))
     assert isinstance(conv, torch_class)
@@ -245,7 +230,7 @@ def test_conformer_fp16_cpu_training_step_finishes_on_the_shapes_that_hung():
 
 @pytest.mark.gpu
 def test_cuda_fp16_convolution_keeps_fp16(cuda_device, monkeypatch):
-    seen = _recording_conv(monkeypatch, "conv1d")
+    seen = _recording(monkeypatch, "conv1d")
     conv = fast_kernels.Conv1d(4, 4, 3, padding=1, groups=4).to(cuda_device)
     with torch.autocast("cuda", dtype=torch.float16):
         out = conv(torch.randn(2, 4, 7, device=cuda_device))
