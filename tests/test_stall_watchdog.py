@@ -93,6 +93,28 @@ def test_the_brain_names_stage_batch_and_the_stuck_forward(caplog):
     assert torch.isfinite(torch.tensor(brain.avg_train_loss))
 
 
+def test_a_long_validation_of_quick_batches_is_no_stall(caplog):
+    """Validation and test batches count as progress: eight 0.05 s batches (0.4 s in all)
+    under a 0.3 s threshold never warn."""
+
+    class SlowEval(RegressionBrain):
+        def compute_forward(self, batch, stage):
+            if stage != Stage.TRAIN:
+                time.sleep(0.05)
+            return super().compute_forward(batch, stage)
+
+    brain = SlowEval(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(stall_warning_minutes=3 * TENTH_OF_A_SECOND),
+    )
+    data = DataLoader(make_data(), batch_size=4)  # 8 batches
+    with caplog.at_level(logging.WARNING, logger="amp_utils.stall_watchdog"):
+        brain.fit(range(1, 2), data, valid_set=data)
+        brain.evaluate(data)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
 def test_brain_default_watchdog_waits_ten_minutes():
     brain = RegressionBrain({"model": make_model()}, run_opts=run_opts())
     assert brain.stall_watchdog.seconds == 600.0
