@@ -235,3 +235,125 @@ def test_cuda_fp16_convolution_keeps_fp16(cuda_device, monkeypatch):
     with torch.autocast("cuda", dtype=torch.float16):
         out = conv(torch.randn(2, 4, 7, device=cuda_device))
     assert seen == [torch.float16] and out.dtype == torch.float16
+
+
+# --- dropout: 16 random bits per element on a CPU -------------------------------------------
+
+LEVELS = 2**16
+
+
+def _calls_of_torch_dropout(monkeypatch) -> list[float]:
+    """Patch ``F.dropout`` to record the ``p`` of each call (``fast_kernels`` falls back to it)."""
+    seen: list[float] = []
+    real = F.dropout
+
+    def recording(input, p=0.5, training=True, inplace=False):
+        seen.append(p)
+        return real(input, p, training, inplace)
+
+    monkeypatch.setattr(F, "dropout", recording)
+    return seen
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_cpu_dropout_drops_each_element_with_probability_p_and_keeps_the_mean(monkeypatch, p):
+    seen = _calls_of_torch_dropout(monkeypatch)
+    torch.manual_seed(0)
+    count = 1_000_003  # not a multiple of four: the last 64-bit draw is cut
+    out = fast_kernels.dropout(torch.ones(count), p)
+    rate = round(p * LEVELS) / LEVELS
+    dropped = (out == 0).double().mean().item()
+    sigma = (rate * (1 - rate) / count) ** 0.5
+    assert abs(dropped - rate) < 5 * sigma
+    kept = out[out != 0]
+    assert torch.all(kept == torch.tensor(1 / (1 - rate), dtype=torch.float32))
+    assert abs(out.double().mean().item() - 1.0) < 5 * sigma / (1 - rate)
+    assert seen == []  # its own mask, not F.dropout's
+
+
+def test_every_16_bit_lane_of_a_64_bit_draw_is_uniform():
+    """Four elements share a 64-bit draw; each must see uniform bits. (int64 ``random_()``
+    without a range fills 63 bits only: the top lane would never be dropped.)"""
+    torch.manual_seed(1)
+    p, rows = 0.25, 250_000
+    dropped = (fast_kernels.dropout(torch.ones(rows, 4), p) == 0).double().mean(dim=0)
+    sigma = (p * (1 - p) / rows) ** 0.5
+    assert torch.all((dropped - p).abs() < 5 * sigma), dropped
+
+
+def test_dropout_gradient_is_the_scaled_mask():
+    torch.manual_seed(2)
+    x = torch.randn(64, 33, requires_grad=True)
+    out = fast_kernels.dropout(x, 0.3)
+    out.backward(torch.ones_like(out))
+    keep = out.detach() != 0
+    assert torch.equal(x.grad, keep.float() * (LEVELS / (LEVELS - round(0.3 * LEVELS))))
+    assert torch.allclose(out.detach(), x.detach() * x.grad)
+
+
+def test_dropout_masks_replay_from_the_generator_state():
+    """Exact resume restores ``torch.get_rng_state()``: the masks must come from it."""
+    x = torch.ones(40, 41)
+    torch.manual_seed(3)
+    first = fast_kernels.dropout(x, 0.2)
+    state = torch.get_rng_state()
+    second = fast_kernels.dropout(x, 0.2)
+    torch.set_rng_state(state)
+    assert torch.equal(fast_kernels.dropout(x, 0.2), second)
+    assert not torch.equal(first, second)
+
+
+def test_dropout_under_bf16_autocast_keeps_the_dtype_and_inplace_writes_the_input():
+    torch.manual_seed(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fast_kernels.dropout(nn.Linear(8, 8)(torch.randn(16, 8)), 0.1)
+    assert out.dtype == torch.bfloat16
+    x = torch.ones(100, 10)
+    returned = fast_kernels.dropout(x, 0.5, inplace=True)
+    assert returned is x and 0 < int((x == 0).sum()) < 1000
+
+
+@pytest.mark.parametrize(
+    ("p", "training", "compiling"),
+    [(0.1, False, False), (0.0, True, False), (1.0, True, False), (1e-6, True, False), (0.1, True, True)],
+)
+def test_dropout_falls_back_to_torch_where_its_mask_does_not_apply(monkeypatch, p, training, compiling):
+    """Eval mode, p of 0 or 1, a p that rounds to no level, and torch.compile (inductor draws
+    its own fast masks) are F.dropout's."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    seen = _calls_of_torch_dropout(monkeypatch)
+    x = torch.ones(50, 20)
+    out = fast_kernels.dropout(x, p, training)
+    assert seen == [p]
+    if not training or p == 0.0:
+        assert torch.equal(out, x)
+    if training and p == 1.0:
+        assert torch.equal(out, torch.zeros_like(x))
+
+
+def test_dropout_rejects_a_probability_out_of_range_as_torch_does():
+    with pytest.raises(ValueError, match="dropout probability"):
+        fast_kernels.dropout(torch.ones(3), 1.5)
+    with pytest.raises(ValueError, match="dropout probability"):
+        fast_kernels.Dropout(-0.1)
+
+
+def test_dropout_module_follows_train_and_eval():
+    drop = fast_kernels.Dropout(0.5)
+    x = torch.ones(200, 50)
+    assert torch.equal(drop.eval()(x), x)
+    assert 0 < int((drop.train()(x) == 0).sum()) < x.numel()
+    assert drop.state_dict() == {}
+
+
+def test_the_conformer_uses_only_the_fast_dropout():
+    model = ConformerCTC(d_model=16, num_layers=2, num_heads=2, ffn_dim=32)
+    drops = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    assert len(drops) == 1 + 2 * 6 and all(isinstance(m, fast_kernels.Dropout) for m in drops)
+
+
+@pytest.mark.gpu
+def test_cuda_dropout_is_torch_dropout(cuda_device, monkeypatch):
+    seen = _calls_of_torch_dropout(monkeypatch)
+    out = fast_kernels.dropout(torch.ones(100, device=cuda_device), 0.1)
+    assert seen == [0.1] and out.device.type == "cuda"

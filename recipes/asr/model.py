@@ -90,9 +90,9 @@ class FeedForward(nn.Module):
             nn.LayerNorm(d_model),
             nn.Linear(d_model, ffn_dim),
             nn.SiLU(),
-            nn.Dropout(dropout),
+            fast_kernels.Dropout(dropout),
             nn.Linear(ffn_dim, d_model),
-            nn.Dropout(dropout),
+            fast_kernels.Dropout(dropout),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -121,7 +121,7 @@ class SelfAttention(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
-        self.out_dropout = nn.Dropout(dropout)
+        self.out_dropout = fast_kernels.Dropout(dropout)
 
     def forward(self, x: Tensor, attn_mask: Tensor) -> Tensor:
         """Attend over ``[B, T, d_model]``; ``attn_mask`` is boolean ``[B, 1, 1, T]``."""
@@ -154,7 +154,7 @@ class ConvModule(nn.Module):
         )
         self.conv_norm = nn.LayerNorm(d_model)
         self.pointwise_out = nn.Linear(d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = fast_kernels.Dropout(dropout)
 
     def forward(self, x: Tensor, frame_mask: Tensor) -> Tensor:
         """Apply to ``[B, T, d_model]``; ``frame_mask`` is boolean ``[B, T]``, True = valid."""
@@ -233,7 +233,7 @@ class ConformerCTC(nn.Module):
         super().__init__()
         self.d_model = d_model
         self.frontend = Conv2dSubsampling(n_mels, d_model, subsampling)
-        self.input_dropout = nn.Dropout(dropout)
+        self.input_dropout = fast_kernels.Dropout(dropout)
         self.blocks = nn.ModuleList(
             ConformerBlock(d_model, num_heads, ffn_dim, conv_kernel, dropout)
             for _ in range(num_layers)
