@@ -65,6 +65,30 @@ def test_conformer_shapes_and_out_lens(subsampling: int) -> None:
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("subsampling", [2, 4])
+def test_subsampling_relu_after_the_reshape_gives_the_sequential_stack_s_values_and_gradients(
+    subsampling: int,
+) -> None:
+    """The last ReLU runs after the [B, C, T, F] -> [B, T, C*F] reshape, so its backward gets
+    a contiguous gradient (a transposed one made the bf16 ReLU backward 7x slower on a CPU,
+    benchmarks/results/2026-11-25-cpu-dropout.md); values and gradients are the stack's."""
+    torch.manual_seed(0)
+    front = ConformerCTC(d_model=16, num_layers=1, num_heads=2, ffn_dim=32, subsampling=subsampling).frontend
+    feats = torch.randn(3, 37, 40, requires_grad=True)
+    lens = torch.tensor([37, 30, 12])
+    seen: list[torch.Tensor] = []
+    front.convs[-1].register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    out, _ = front(feats, lens)
+    (grad,) = torch.autograd.grad(out.square().sum(), feats)
+    assert len(seen) == 1 and seen[0].dim() == 3 and seen[0].is_contiguous()
+
+    valid = torch.arange(37).view(-1, 1) < lens.view(-1, 1, 1, 1)
+    x = front.convs(feats.unsqueeze(1).masked_fill(~valid, 0.0))
+    ref = front.out(x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1))
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), feats)
+    assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
+
+
 def test_conformer_rejects_bad_subsampling() -> None:
     with pytest.raises(ValueError, match="power of two"):
         ConformerCTC(subsampling=3)

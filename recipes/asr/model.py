@@ -75,9 +75,15 @@ class Conv2dSubsampling(nn.Module):
         # view under dynamic shapes (valid outputs never see padding either way).
         valid = torch.arange(feats.shape[1], device=feats.device).view(-1, 1)
         valid = valid < feat_lens.view(-1, 1, 1, 1)  # [B, 1, T, 1]
-        x = self.convs(feats.unsqueeze(1).masked_fill(~valid, 0.0))  # [B, C, T', F']
+        *layers, last_relu = self.convs
+        x = feats.unsqueeze(1).masked_fill(~valid, 0.0)
+        for layer in layers:
+            x = layer(x)  # [B, C, T', F'] after the last convolution
         batch, channels, frames, freq = x.shape
-        x = x.transpose(1, 2).reshape(batch, frames, channels * freq)
+        # The last ReLU after the reshape (elementwise, so the same values): its backward then
+        # gets a contiguous gradient. Before it, the gradient arrived transposed, and the bf16
+        # ReLU backward took 10 ms on a CPU instead of 1.5 ms (a slow strided kernel).
+        x = last_relu(x.transpose(1, 2).reshape(batch, frames, channels * freq))
         return self.out(x), self.output_lengths(feat_lens)
 
 
