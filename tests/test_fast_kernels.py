@@ -24,18 +24,28 @@ def _qkv(dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(shape, generator=generator).to(device, dtype) for _ in range(3))
 
 
-def _recording(monkeypatch, name: str) -> list[torch.dtype]:
+def _computing_dtype(input: torch.Tensor, *args, **kwargs) -> torch.dtype:
+    """The dtype an ``F`` call computes in: autocast's where it is on (it casts below ``F``;
+    SDPA and convolutions are on its lower-precision list), else the input's."""
+    device = input.device.type
+    autocast = torch.is_autocast_enabled(device)
+    return torch.get_autocast_dtype(device) if autocast else input.dtype
+
+
+def _dropout_p(input: torch.Tensor, p: float = 0.5, *args, **kwargs) -> float:
+    """The ``p`` an ``F.dropout`` call was given."""
+    return p
+
+
+def _recording(monkeypatch, name: str, record=_computing_dtype) -> list:
     """Patch ``F.<name>`` (what ``fast_kernels`` and ``nn.ConvNd`` call) so that the test sees
-    the dtype each call computes in: autocast's where it is on (it casts below ``F``; SDPA
-    and convolutions are on its lower-precision list), else the input's."""
-    seen: list[torch.dtype] = []
+    ``record(...)`` of each call's arguments: by default the dtype it computes in."""
+    seen: list = []
     real = getattr(F, name)
 
-    def recording(input, *args, **kwargs):
-        device = input.device.type
-        autocast = torch.is_autocast_enabled(device)
-        seen.append(torch.get_autocast_dtype(device) if autocast else input.dtype)
-        return real(input, *args, **kwargs)
+    def recording(*args, **kwargs):
+        seen.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(F, name, recording)
     return seen
@@ -242,22 +252,9 @@ def test_cuda_fp16_convolution_keeps_fp16(cuda_device, monkeypatch):
 LEVELS = 2**16
 
 
-def _calls_of_torch_dropout(monkeypatch) -> list[float]:
-    """Patch ``F.dropout`` to record the ``p`` of each call (``fast_kernels`` falls back to it)."""
-    seen: list[float] = []
-    real = F.dropout
-
-    def recording(input, p=0.5, training=True, inplace=False):
-        seen.append(p)
-        return real(input, p, training, inplace)
-
-    monkeypatch.setattr(F, "dropout", recording)
-    return seen
-
-
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_cpu_dropout_drops_each_element_with_probability_p_and_keeps_the_mean(monkeypatch, p):
-    seen = _calls_of_torch_dropout(monkeypatch)
+    seen = _recording(monkeypatch, "dropout", record=_dropout_p)
     torch.manual_seed(0)
     count = 1_000_003  # not a multiple of four: the last 64-bit draw is cut
     out = fast_kernels.dropout(torch.ones(count), p)
@@ -315,13 +312,21 @@ def test_dropout_under_bf16_autocast_keeps_the_dtype_and_inplace_writes_the_inpu
 
 @pytest.mark.parametrize(
     ("p", "training", "compiling"),
-    [(0.1, False, False), (0.0, True, False), (1.0, True, False), (1e-6, True, False), (0.1, True, True)],
+    [
+        (0.1, False, False),
+        (0.0, True, False),
+        (1.0, True, False),
+        (1e-6, True, False),
+        (0.1, True, True),
+    ],
 )
-def test_dropout_falls_back_to_torch_where_its_mask_does_not_apply(monkeypatch, p, training, compiling):
+def test_dropout_falls_back_to_torch_where_its_mask_does_not_apply(
+    monkeypatch, p, training, compiling
+):
     """Eval mode, p of 0 or 1, a p that rounds to no level, and torch.compile (inductor draws
     its own fast masks) are F.dropout's."""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
-    seen = _calls_of_torch_dropout(monkeypatch)
+    seen = _recording(monkeypatch, "dropout", record=_dropout_p)
     x = torch.ones(50, 20)
     out = fast_kernels.dropout(x, p, training)
     assert seen == [p]
@@ -354,6 +359,6 @@ def test_the_conformer_uses_only_the_fast_dropout():
 
 @pytest.mark.gpu
 def test_cuda_dropout_is_torch_dropout(cuda_device, monkeypatch):
-    seen = _calls_of_torch_dropout(monkeypatch)
+    seen = _recording(monkeypatch, "dropout", record=_dropout_p)
     out = fast_kernels.dropout(torch.ones(100, device=cuda_device), 0.1)
     assert seen == [0.1] and out.device.type == "cuda"

@@ -73,7 +73,9 @@ def test_subsampling_relu_after_the_reshape_gives_the_sequential_stack_s_values_
     a contiguous gradient (a transposed one made the bf16 ReLU backward 7x slower on a CPU,
     benchmarks/results/2026-11-25-cpu-dropout.md); values and gradients are the stack's."""
     torch.manual_seed(0)
-    front = ConformerCTC(d_model=16, num_layers=1, num_heads=2, ffn_dim=32, subsampling=subsampling).frontend
+    front = ConformerCTC(
+        d_model=16, num_layers=1, num_heads=2, ffn_dim=32, subsampling=subsampling
+    ).frontend
     feats = torch.randn(3, 37, 40, requires_grad=True)
     lens = torch.tensor([37, 30, 12])
     seen: list[torch.Tensor] = []
