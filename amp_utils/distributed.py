@@ -20,6 +20,7 @@ all ranks with the same message instead of leaving them waiting.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -143,10 +144,18 @@ def distributed_info() -> DistributedInfo:
 
 
 def destroy_distributed() -> None:
-    """End the process group (a no-op when there is none)."""
+    """End the process group (a no-op when there is none); ``init_distributed`` runs it at exit.
+
+    Garbage is collected first. A DDP module left in a reference cycle (the Brain, once
+    ``train()`` has returned) holds the process group through its reducer, so the group
+    would outlive this call and be torn down during interpreter finalization, where gloo's
+    worker threads can abort the process: a rank of a finished run then exited with SIGABRT
+    ("terminate called without an active exception") after the results were written.
+    """
     global _control_group
     if dist.is_available() and dist.is_initialized():
         _control_group = None
+        gc.collect()  # free DDP reducers in reference cycles while the interpreter is whole
         dist.destroy_process_group()
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import json
 import os
 import socket
 import sys
 import traceback
+import weakref
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from amp_utils.distributed import (
     DistributedInfo,
     all_reduce_counts,
     any_rank,
+    destroy_distributed,
     distributed_info,
     init_distributed,
     resolve_backend,
@@ -228,3 +231,31 @@ def test_each_rank_gets_its_own_gpu(monkeypatch):
         distributed._local_gpu(4)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # SLURM bound one GPU
     assert distributed._local_gpu(2) == 0
+
+
+def test_ending_the_group_frees_ddp_modules_left_in_reference_cycles(monkeypatch):
+    """A DDP module in a reference cycle (the Brain after ``train()`` returns) holds the process
+    group through its reducer. ``destroy_distributed`` (run at exit) must free it while the
+    interpreter is alive, or gloo's group is torn down during interpreter finalization, where
+    a rank can abort (SIGABRT, "terminate called without an active exception")."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    gc.disable()  # only destroy_distributed may collect the cycle
+    try:
+        assert init_distributed("gloo", "cpu").enabled
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        ddp(torch.randn(3, 2)).sum().backward()
+        cycle = {"ddp": ddp}
+        cycle["self"] = cycle
+        freed = weakref.ref(ddp)
+        del ddp, cycle
+        assert freed() is not None  # only the cycle keeps it
+        destroy_distributed()
+        assert freed() is None
+        assert not torch.distributed.is_initialized()
+    finally:
+        gc.enable()
+        destroy_distributed()  # a no-op unless an assertion above failed first
