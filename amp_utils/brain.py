@@ -64,6 +64,7 @@ from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import (
     AUTO,
     check_precision_supported,
+    configure_onednn_cache,
     configure_tf32,
     make_grad_scaler,
     resolve_device,
@@ -145,6 +146,7 @@ class Brain:
         self.eval_amp = self._resolve_amp(self.run_opts.eval_precision, "eval_precision")
         warn_if_emulated(self.amp, self.device)
         configure_tf32(self.device, self.run_opts.allow_tf32)
+        configure_onednn_cache(self.run_opts.onednn_cache_capacity)
 
         modules = dict(modules or {})
         if self.run_opts.sync_batchnorm:

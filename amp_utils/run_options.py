@@ -41,6 +41,7 @@ class RunOptions:
     compile_eval: bool = False  # also run validation/test compiled (else eagerly: no capture)
     log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
     allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
+    onednn_cache_capacity: int | None = None  # CPU kernels oneDNN keeps (None: its own 1024)
     seed: int = 1234  # seed of the data loader's own generator
     distributed_backend: str = "auto"  # DDP backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo
     sync_batchnorm: bool = False  # under DDP, BatchNorm statistics over all ranks (CUDA only)
@@ -73,6 +74,11 @@ class RunOptions:
             raise ValueError(f"nonfinite_patience must be >= 0, got {self.nonfinite_patience}.")
         if self.debug and (self.debug_batches < 1 or self.debug_epochs < 1):
             raise ValueError("debug_batches and debug_epochs must be >= 1 in debug mode.")
+        if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 0:
+            raise ValueError(
+                f"onednn_cache_capacity must be >= 0 (0: no cache) or None (oneDNN's own "
+                f"default), got {self.onednn_cache_capacity}."
+            )
         if self.distributed_backend not in BACKENDS:
             raise ValueError(
                 f"distributed_backend must be one of {', '.join(BACKENDS)}; "

@@ -75,6 +75,7 @@ class DeviceConfig:
     num_workers: int = MISSING  # DataLoader worker processes
     pin_memory: bool = MISSING  # page-locked host memory for host->GPU copies
     batch_scale: float = MISSING  # multiplies data.max_batch_seconds
+    onednn_cache_capacity: int | None = MISSING  # CPU kernels oneDNN keeps (null: its 1024)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from amp_utils import (
     Stage,
     TrainingInterrupted,
 )
-from amp_utils.precision import PrecisionNotSupportedError
+from amp_utils.precision import ONEDNN_CACHE_VARIABLE, PrecisionNotSupportedError
 from data.sampler import DurationBatchSampler
 
 
@@ -119,6 +119,17 @@ def test_hparams_have_dot_access_and_unknown_run_option_fails():
     assert brain.hparams.lr == 0.1
     with pytest.raises(ValueError, match="valid options are"):
         RegressionBrain({"model": make_model()}, run_opts={"precison": "bf16"})
+
+
+def test_brain_sizes_the_onednn_cache_before_its_first_kernel(monkeypatch):
+    monkeypatch.setenv(ONEDNN_CACHE_VARIABLE, "7")  # restored after the test
+    monkeypatch.delenv(ONEDNN_CACHE_VARIABLE)
+    RegressionBrain({"model": make_model()}, run_opts=run_opts())
+    assert ONEDNN_CACHE_VARIABLE not in os.environ  # None: oneDNN's own default
+    RegressionBrain({"model": make_model()}, run_opts=run_opts(onednn_cache_capacity=4096))
+    assert os.environ[ONEDNN_CACHE_VARIABLE] == "4096"
+    with pytest.raises(ValueError, match="onednn_cache_capacity must be >= 0"):
+        RegressionBrain({"model": make_model()}, run_opts=run_opts(onednn_cache_capacity=-1))
 
 
 @pytest.mark.parametrize("bad", ["fp8", "half"])

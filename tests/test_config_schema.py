@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from data.synthetic_voices import SynthesizerUnavailableError
 from recipes.config import CONF_DIR, ConfigError, check_override_keys, validate_config
-from recipes.preflight import USER_ERRORS, preflight
+from recipes.preflight import USER_ERRORS, preflight, run_options
 from recipes.schema import (
     OPTION_SCHEMAS,
     BenchmarkRunConfig,
@@ -300,3 +300,10 @@ def test_feature_normalisation_defaults_and_a_typo_names_the_choices(data, defau
     cfg = compose_config([*overrides, "data.features.normalize=global"])
     with pytest.raises(ConfigError, match="data.features.normalize='global'.*per_bin, utterance"):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto", "cuda"])
+def test_device_sizes_the_onednn_cache_for_the_brain(device):
+    assert run_options(compose_config([f"device={device}"])).onednn_cache_capacity == 4096
+    cfg = compose_config([f"device={device}", "device.onednn_cache_capacity=null"])
+    assert run_options(cfg).onednn_cache_capacity is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from torch import nn
 
 from amp_utils import fast_kernels
 from amp_utils.fast_kernels import fp16_on_cpu, scaled_dot_product_attention
+from amp_utils.precision import ONEDNN_CACHE_VARIABLE
 from recipes.asr.model import ConformerCTC, SelfAttention
 from recipes.speaker.model import XVector
 from tests.recipe_helpers import REPO_ROOT
@@ -362,3 +364,42 @@ def test_cuda_dropout_is_torch_dropout(cuda_device, monkeypatch):
     seen = _recording(monkeypatch, "dropout", record=_dropout_p)
     out = fast_kernels.dropout(torch.ones(100, device=cuda_device), 0.1)
     assert seen == [0.1] and out.device.type == "cuda"
+
+
+#: Three convolution shapes, three times over, after some torch work; argv[1]: the cache size
+#: given to configure_onednn_cache.
+CACHE_PROBE = """
+import sys
+import torch
+from amp_utils.precision import configure_onednn_cache
+torch.randn(64, 64) @ torch.randn(64, 64)  # torch already at work: the setting still applies
+configure_onednn_cache(int(sys.argv[1]))
+weight = torch.randn(8, 4, 3, 3)
+for _ in range(3):
+    for size in (16, 17, 18):
+        torch.nn.functional.conv2d(torch.randn(2, 4, size, size), weight)
+"""
+
+
+def onednn_kernels_created(capacity: int) -> int:
+    """oneDNN kernel creations (cache misses, from its verbose log) in ``CACHE_PROBE``."""
+    env = {k: v for k, v in os.environ.items() if k != ONEDNN_CACHE_VARIABLE}
+    result = subprocess.run(
+        [sys.executable, "-c", CACHE_PROBE, str(capacity)],
+        cwd=REPO_ROOT,
+        env={**env, "ONEDNN_VERBOSE": "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    if "onednn_verbose" not in result.stdout:
+        pytest.skip("this torch build runs CPU convolutions without oneDNN")
+    return result.stdout.count("cache_miss")
+
+
+def test_onednn_cache_capacity_set_in_process_reaches_onednn():
+    """A cache of 1 regenerates every kernel; one of 16 creates each shape's kernels once."""
+    kept = onednn_kernels_created(16)
+    assert kept > 0
+    assert onednn_kernels_created(1) >= 2 * kept
