@@ -125,8 +125,9 @@ def configure_onednn_cache(capacity: int | None) -> None:
     length meet more shapes than 1024 kernels cover: the ASR recipe needs ~30 kernels per
     batch shape and meets ~120 shapes in 30 epochs, so with the default cache bf16 kept
     regenerating evicted kernels (235-430 per epoch, 0.5-0.9 s of a ~9 s epoch). With 4096
-    its 30-epoch run trained 1.14x faster and peaked 0.56 GB higher in host memory; fp32
-    (MKL matmuls) was unchanged (``benchmarks/results/2026-11-25-cpu-onednn-cache.md``).
+    its 30-epoch bf16 runs trained 1.10-1.14x faster (three seeds) and peaked ~0.56 GB
+    higher in host memory; fp32 (MKL matmuls) was unchanged
+    (``benchmarks/results/2026-11-25-cpu-onednn-cache.md``).
 
     oneDNN reads the size from the environment when it creates its first kernel, so this
     must run before the process's first CPU matmul or convolution; later calls change
