@@ -327,6 +327,12 @@ def validate_config(cfg: DictConfig) -> None:
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")
+    cache = cfg.device.onednn_cache_capacity
+    if cache is not None and cache < 0:
+        raise ConfigError(
+            f"device.onednn_cache_capacity={cache} is not valid; it must be >= 0 (e.g. "
+            "device.onednn_cache_capacity=4096; 0: no cache), or null for oneDNN's own default."
+        )
     _check_augmentation(cfg.data)
     smoothing = OmegaConf.select(cfg, "model.label_smoothing", default=0.0)
     if not 0.0 <= smoothing < 1.0:
