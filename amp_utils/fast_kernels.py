@@ -32,6 +32,18 @@ in its first step (``benchmarks/results/2026-11-25-cpu-fp16-conv.md``). ``Conv1d
 compute in fp32 on a CPU under fp16 autocast, so fp16 trains at about fp32's speed there;
 bf16 convolutions are fast on CPUs and keep their dtype, and on CUDA nothing changes.
 
+The depthwise ``Conv1d`` of a Conformer is the exception on a CPU in every precision. On
+torch's default ``[B, C, T]`` layout oneDNN runs its forward as a GEMM over unfolded
+windows; channels-last (``[B, T, C]`` in memory, what the Conformer's ``x.transpose(1, 2)``
+already is) it picks its direct depthwise kernels, and the bf16 one of those hangs like the
+fp16 one (``[1, 32, 58]``, kernel 15, AMX Xeon, torch 2.11). So on a CPU a depthwise
+``Conv1d`` computes in fp32, channels-last, as a ``conv2d`` over ``[B, C, 1, T]``
+(``depthwise_conv1d``), and returns the autocast dtype. Forward + backward of
+``[32, 144, 50]``, kernel 15, 2 cores (ms, best of 3 means of 30, before -> after): fp32
+5.9 -> 3.0, bf16 5.6 -> 2.9, fp16 (fp32 before too) 5.4 -> 3.0
+(``benchmarks/results/2026-11-25-cpu-channels-last.md``); fp32 channels-last ran 2,400
+shapes (batch 1-64, 8-512 channels, 1-400 frames, kernels 3-31) without a hang.
+
 Dropout on a CPU costs more than its matmuls suggest: ``F.dropout`` draws one 32-bit number
 from the CPU generator (mt19937, serial) per element with ``bernoulli_``, 21-24 % of the
 Conformer's CPU training step (25 calls, ~55 ms of ~250 ms per step, in fp32 and bf16
@@ -58,6 +70,8 @@ _INT64_MIN = -(2**63)
 
 #: Reduced-precision dtypes whose CPU attention kernels are slower than fp32's.
 _SLOW_ON_CPU = (torch.bfloat16, torch.float16)
+#: Input dtypes of a CPU depthwise ``Conv1d`` computed by ``depthwise_conv1d`` (in fp32).
+_CHANNELS_LAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def scaled_dot_product_attention(
@@ -112,7 +126,62 @@ class _FP32ConvOnCPUFp16:
 
 
 class Conv1d(_FP32ConvOnCPUFp16, nn.Conv1d):
-    """``nn.Conv1d`` that computes in fp32 on a CPU under fp16 (see the module docstring)."""
+    """``nn.Conv1d`` that computes in fp32 on a CPU under fp16, and depthwise in fp32
+    channels-last on a CPU in every precision (see the module docstring)."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Conv1d's argument name)
+        """The convolution; a CPU depthwise one through ``depthwise_conv1d``."""
+        if not _depthwise_on_cpu(self, input):
+            return super().forward(input)
+        stride, padding, dilation = self.stride[0], self.padding[0], self.dilation[0]  # type: ignore[index]
+        return depthwise_conv1d(input, self.weight, self.bias, stride, padding, dilation)
+
+
+def _depthwise_on_cpu(conv: nn.Conv1d, input: Tensor) -> bool:  # noqa: A002
+    """True when ``conv`` is depthwise, ``input`` a batched CPU float tensor, and nothing
+    (string padding, non-zero padding modes, ``torch.compile``) asks for ``nn.Conv1d``'s path."""
+    return (
+        input.device.type == "cpu"
+        and input.dim() == 3
+        and input.dtype in _CHANNELS_LAST_DTYPES
+        and conv.groups == conv.in_channels > 1
+        and conv.padding_mode == "zeros"
+        and not isinstance(conv.padding, str)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def depthwise_conv1d(
+    input: Tensor,  # noqa: A002 (F.conv1d's argument name)
+    weight: Tensor,
+    bias: Tensor | None = None,
+    stride: int = 1,
+    padding: int = 0,
+    dilation: int = 1,
+) -> Tensor:
+    """``F.conv1d(..., groups=channels)`` of ``[B, C, T]`` as oneDNN runs it fast on a CPU:
+    in fp32, as a channels-last ``conv2d`` (see the module docstring).
+
+    Returns the dtype ``F.conv1d`` would (autocast's where CPU autocast is on, else the
+    input's) and a ``[B, C, T']`` tensor with time-major strides, so ``.transpose(1, 2)``
+    of it is contiguous. A time-major input (``x.transpose(1, 2)`` of ``[B, T, C]``) needs
+    no copy in fp32.
+    """
+    autocast = torch.is_autocast_enabled("cpu")
+    out_dtype = torch.get_autocast_dtype("cpu") if autocast else input.dtype
+    # Autocast off: under CPU autocast, the conv would cast the fp32 inputs straight back down.
+    with torch.autocast("cpu", enabled=False):
+        x = input.float().unsqueeze(2).contiguous(memory_format=torch.channels_last)
+        out = F.conv2d(
+            x,
+            weight.float().unsqueeze(2),
+            None if bias is None else bias.float(),
+            stride=(1, stride),
+            padding=(0, padding),
+            dilation=(1, dilation),
+            groups=input.shape[1],
+        )
+    return out.squeeze(2).to(out_dtype)
 
 
 class Conv2d(_FP32ConvOnCPUFp16, nn.Conv2d):

@@ -107,7 +107,7 @@ def test_cuda_attention_keeps_its_reduced_precision(cuda_device, monkeypatch):
 
 CONVS = {  # F's function the conv calls: the fast conv, its torch class, an input shape
     "conv1d": (
-        lambda: fast_kernels.Conv1d(6, 6, 5, padding=2, groups=6),  # depthwise, as the Conformer's
+        lambda: fast_kernels.Conv1d(6, 4, 5, padding=2),  # as the x-vector's TDNN layers
         nn.Conv1d,
         (3, 6, 11),
     ),
@@ -209,10 +209,93 @@ def test_the_recipes_models_use_only_the_fast_convolutions(model):
     assert convs and all(isinstance(m, (fast_kernels.Conv1d, fast_kernels.Conv2d)) for m in convs)
 
 
+def _depthwise(**kwargs) -> tuple[fast_kernels.Conv1d, nn.Conv1d]:
+    """A fast depthwise conv (the Conformer's) and an ``nn.Conv1d`` with the same weights."""
+    torch.manual_seed(0)
+    args = {"in_channels": 6, "out_channels": 6, "kernel_size": 5, "padding": 2, "groups": 6}
+    args.update(kwargs)
+    conv, plain = fast_kernels.Conv1d(**args), nn.Conv1d(**args)
+    plain.load_state_dict(conv.state_dict())
+    return conv, plain
+
+
+def _conv2d_input(input: torch.Tensor, *args, **kwargs) -> tuple:
+    """What an ``F.conv2d`` call computes on: dtype (autocast's where on) and layout."""
+    return (_computing_dtype(input), input.is_contiguous(memory_format=torch.channels_last))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_depthwise_conv1d_computes_in_fp32_channels_last_and_returns_autocasts_dtype(
+    monkeypatch, dtype
+):
+    """oneDNN's depthwise conv is 2x faster channels-last in fp32 than on torch's default
+    layout, and its bf16/fp16 channels-last kernel hangs on some shapes (module docstring)."""
+    conv, plain = _depthwise(stride=2, dilation=2, padding=4)
+    x = torch.randn(3, 11, 6).transpose(1, 2)  # time-major, as the Conformer passes it
+    seen = _recording(monkeypatch, "conv2d", record=_conv2d_input)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        out = conv(x)
+    assert seen == [(torch.float32, True)] and out.dtype == dtype
+    expected = plain(x)  # torch's fp32 convolution, outside autocast
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    else:  # fp32 arithmetic rounded once to the autocast dtype
+        assert torch.equal(out, out.float().to(dtype))
+        torch.testing.assert_close(out, expected.to(dtype), rtol=1e-2, atol=1e-2)
+    assert out.transpose(1, 2).is_contiguous()  # the Conformer's transpose back is free
+
+
+def test_cpu_depthwise_conv1d_of_an_fp16_module_without_autocast_returns_fp16(monkeypatch):
+    conv, plain = _depthwise()
+    seen = _recording(monkeypatch, "conv2d", record=_conv2d_input)
+    x = torch.randn(2, 6, 9)
+    out = conv.half()(x.half())
+    assert seen == [(torch.float32, True)] and out.dtype == torch.float16
+    torch.testing.assert_close(out, plain(x.half().float()).half(), rtol=1e-3, atol=1e-3)
+
+
+def test_cpu_depthwise_conv1d_gradients_are_torch_s():
+    conv, plain = _depthwise(bias=False)
+    x = torch.randn(2, 9, 6).transpose(1, 2)
+    x_fast, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    conv(x_fast).square().sum().backward()
+    plain(x_plain).square().sum().backward()
+    torch.testing.assert_close(x_fast.grad, x_plain.grad)
+    torch.testing.assert_close(conv.weight.grad, plain.weight.grad)
+    assert conv.weight.grad.shape == conv.weight.shape
+
+
+@pytest.mark.parametrize(
+    "kwargs, shape",
+    [
+        ({"groups": 2, "out_channels": 4}, (2, 6, 9)),  # grouped, not depthwise
+        ({"padding": "same"}, (2, 6, 9)),  # string padding
+        ({"padding_mode": "reflect"}, (2, 6, 9)),
+        ({}, (6, 9)),  # unbatched input
+    ],
+)
+def test_conv1d_outside_the_depthwise_case_is_torch_s(monkeypatch, kwargs, shape):
+    conv, plain = _depthwise(**kwargs)
+    seen = _recording(monkeypatch, "conv2d", record=_conv2d_input)
+    x = torch.randn(shape)
+    assert torch.equal(conv(x), plain(x)) and seen == []
+
+
+def test_depthwise_conv1d_under_torch_compile_is_torch_s(monkeypatch):
+    """Inductor generates its own convolution call: the fast path stays out of its graph."""
+    conv, _ = _depthwise()
+    seen = _recording(monkeypatch, "conv2d", record=_conv2d_input)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    conv(torch.randn(2, 6, 9))
+    assert seen == []
+
+
 def test_conformer_fp16_cpu_training_step_finishes_on_the_shapes_that_hung():
     """Regression: on an Intel Xeon with AVX512-FP16 but no AMX-FP16 (torch 2.11), oneDNN's
     fp16 depthwise convolution never returned for these batch shapes (its kernel generator
-    loops forever), so an fp16 CPU run hung in its first step (2026-11-25). A hung native
+    loops forever), so an fp16 CPU run hung in its first step (2026-11-25). Its bf16
+    channels-last kernel hangs on the first shape too (``[1, 32, 58]``, kernel 15), so bf16
+    runs here as well: the depthwise conv must stay in fp32 on a CPU. A hung native
     kernel ignores signals, hence a subprocess with a timeout. On CPUs without AVX512-FP16
     the old code was slow (emulated fp16), not stuck; this test passes there either way."""
     script = textwrap.dedent(
@@ -221,12 +304,14 @@ def test_conformer_fp16_cpu_training_step_finishes_on_the_shapes_that_hung():
         from recipes.asr.model import ConformerCTC
         torch.manual_seed(0)
         model = ConformerCTC(n_mels=40, d_model=32, num_layers=1, num_heads=2, ffn_dim=64)
-        for batch, frames in ((1, 236), (25, 236), (7, 404)):  # 58, 100 frames at the conv
-            feats = torch.randn(batch, frames, 40)
-            lens = torch.full((batch,), frames)
-            with torch.autocast("cpu", dtype=torch.float16):
-                logits, out_lens = model(feats, lens)
-            logits.float().sum().backward()
+        shapes = ((1, 236), (25, 236), (7, 404))  # 58, 100 frames at the conv
+        for dtype in (torch.float16, torch.bfloat16):
+            for batch, frames in shapes:
+                feats = torch.randn(batch, frames, 40)
+                lens = torch.full((batch,), frames)
+                with torch.autocast("cpu", dtype=dtype):
+                    logits, out_lens = model(feats, lens)
+                logits.float().sum().backward()
         print("done")
         """
     )

@@ -3,10 +3,13 @@ torch.compile and tiny overfits."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+from torch import nn
 
-from recipes.asr.model import ConformerCTC, ctc_log_probs, ctc_loss
+from recipes.asr.model import ConformerCTC, ConvFeatureLinear, ctc_log_probs, ctc_loss
 from recipes.speaker.model import XVector, masked_mean_std
 
 N_MELS = 40
@@ -86,9 +89,59 @@ def test_subsampling_relu_after_the_reshape_gives_the_sequential_stack_s_values_
 
     valid = torch.arange(37).view(-1, 1) < lens.view(-1, 1, 1, 1)
     x = front.convs(feats.unsqueeze(1).masked_fill(~valid, 0.0))
-    ref = front.out(x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1))
+    ref = nn.functional.linear(
+        x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1), front.out.weight, front.out.bias
+    )
     (ref_grad,) = torch.autograd.grad(ref.square().sum(), feats)
-    assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("subsampling", [2, 4])
+def test_subsampling_on_a_cpu_runs_channels_last_and_flattens_frames_without_a_copy(
+    subsampling: int,
+) -> None:
+    """On a CPU the convolutions run channels-last (oneDNN's fast layout: the ASR recipe's
+    bf16 front end 1.3x faster, benchmarks/results/2026-11-25-cpu-channels-last.md) and the
+    ReLU + linear read the last conv's output in place; under torch.compile, torch's layout."""
+    torch.manual_seed(0)
+    front = ConformerCTC(
+        d_model=16, num_layers=1, num_heads=2, ffn_dim=32, subsampling=subsampling
+    ).frontend
+    feats, lens = torch.randn(3, 37, 40), torch.tensor([37, 30, 12])
+    convs = [m for m in front.convs if isinstance(m, nn.Conv2d)]
+    conv_inputs: list[torch.Tensor] = []
+    conv_outputs: list[torch.Tensor] = []
+    for conv in convs:
+        conv.register_forward_hook(lambda m, args, out: conv_inputs.append(args[0]))
+    convs[-1].register_forward_hook(lambda m, args, out: conv_outputs.append(out))
+    relu_inputs: list[torch.Tensor] = []
+    front.convs[-1].register_forward_hook(lambda m, args, out: relu_inputs.append(args[0]))
+    out, _ = front(feats, lens)
+    assert all(x.stride(1) == 1 for x in conv_inputs)  # unit channel stride: channels-last
+    assert conv_outputs[0].is_contiguous(memory_format=torch.channels_last)
+    assert relu_inputs[0].data_ptr() == conv_outputs[0].data_ptr()  # a view, not a copy
+
+    conv_inputs.clear()
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        compiled_layout, _ = front(feats, lens)
+    assert conv_inputs[0].is_contiguous()  # [B, 1, T, F] as torch lays it out
+    torch.testing.assert_close(compiled_layout, out, rtol=1e-5, atol=1e-6)
+
+
+def test_conv_feature_linear_reads_features_in_either_order() -> None:
+    """``channels_last=True`` takes [F, C]-ordered features: the same outputs as [C, F]
+    ones, with nn.Linear's parameters and state-dict keys (checkpoints do not change)."""
+    torch.manual_seed(0)
+    linear = ConvFeatureLinear(channels=3, freq=5, out_features=4)
+    features = torch.randn(2, 7, 3, 5)  # [B, T, C, F]
+    by_channel = linear(features.reshape(2, 7, 15))
+    by_freq = linear(features.transpose(2, 3).reshape(2, 7, 15), channels_last=True)
+    torch.testing.assert_close(by_freq, by_channel)
+    plain = nn.Linear(15, 4)
+    assert list(linear.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(linear.state_dict())
+    torch.testing.assert_close(plain(features.reshape(2, 7, 15)), by_channel)
 
 
 def test_conformer_rejects_bad_subsampling() -> None:

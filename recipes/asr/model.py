@@ -60,7 +60,7 @@ class Conv2dSubsampling(nn.Module):
             raise ValueError(f"n_mels={n_mels} is too small for subsampling={subsampling}")
         self.num_convs = num_convs
         self.convs = nn.Sequential(*layers)
-        self.out = nn.Linear(d_model * freq, d_model)
+        self.out = ConvFeatureLinear(d_model, freq, d_model)
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         """Number of valid output frames for ``lengths`` valid input frames (>= 0)."""
@@ -70,21 +70,62 @@ class Conv2dSubsampling(nn.Module):
 
     def forward(self, feats: Tensor, feat_lens: Tensor) -> tuple[Tensor, Tensor]:
         """Subsample ``[B, T, n_mels]`` features to ``[B, T', d_model]`` and their lengths."""
-        # Zero the padding, and make the conv input a computed tensor rather than a view:
-        # inductor (torch 2.11) cannot order the symbolic strides of a saved size-1-channel
-        # view under dynamic shapes (valid outputs never see padding either way).
-        valid = torch.arange(feats.shape[1], device=feats.device).view(-1, 1)
-        valid = valid < feat_lens.view(-1, 1, 1, 1)  # [B, 1, T, 1]
         *layers, last_relu = self.convs
-        x = feats.unsqueeze(1).masked_fill(~valid, 0.0)
+        # On a CPU (eager) the convolutions run channels-last, oneDNN's fast layout: their
+        # input is [B, T, n_mels] viewed as [B, 1, T, n_mels] with unit channel stride, so
+        # their outputs are stored as [B, T', F', C] and flattening each frame is a view.
+        # Elsewhere (CUDA, torch.compile) the layout of torch's defaults, as measured there.
+        channels_last = feats.device.type == "cpu" and not torch.compiler.is_compiling()
+        frames = torch.arange(feats.shape[1], device=feats.device).view(-1, 1)
+        if channels_last:
+            valid = frames < feat_lens.view(-1, 1, 1)  # [B, T, 1]
+            x = feats.masked_fill(~valid, 0.0).unsqueeze(-1).permute(0, 3, 1, 2)
+        else:
+            # Zero the padding, and make the conv input a computed tensor rather than a view:
+            # inductor (torch 2.11) cannot order the symbolic strides of a saved
+            # size-1-channel view under dynamic shapes (valid outputs never see padding).
+            valid = frames < feat_lens.view(-1, 1, 1, 1)  # [B, 1, T, 1]
+            x = feats.unsqueeze(1).masked_fill(~valid, 0.0)
         for layer in layers:
             x = layer(x)  # [B, C, T', F'] after the last convolution
-        batch, channels, frames, freq = x.shape
+        batch, channels, out_frames, freq = x.shape
+        if channels_last:  # features in [F', C] order; self.out permutes its weight to match
+            x = x.permute(0, 2, 3, 1).reshape(batch, out_frames, freq * channels)
+        else:
+            x = x.transpose(1, 2).reshape(batch, out_frames, channels * freq)
         # The last ReLU after the reshape (elementwise, so the same values): its backward then
         # gets a contiguous gradient. Before it, the gradient arrived transposed, and the bf16
         # ReLU backward took 10 ms on a CPU instead of 1.5 ms (a slow strided kernel).
-        x = last_relu(x.transpose(1, 2).reshape(batch, frames, channels * freq))
-        return self.out(x), self.output_lengths(feat_lens)
+        x = self.out(last_relu(x), channels_last=channels_last)
+        return x, self.output_lengths(feat_lens)
+
+
+class ConvFeatureLinear(nn.Linear):
+    """``nn.Linear`` over conv features ``[C, F]`` flattened per frame, which also accepts
+    them flattened in ``[F, C]`` order, as channels-last convolutions store them.
+
+    With ``channels_last=True`` the weight's input columns are permuted to ``[F, C]``
+    (``out_features x C*F``, small) instead of the features (``[B, T', F', C]``, large, and
+    again in the backward). Parameters and state-dict keys are those of ``nn.Linear`` with
+    ``[C, F]`` columns, so checkpoints do not depend on the layout a run used.
+
+    Args:
+        channels: conv channels ``C``.
+        freq: conv output bins ``F``.
+        out_features: output size.
+    """
+
+    def __init__(self, channels: int, freq: int, out_features: int) -> None:
+        super().__init__(channels * freq, out_features)
+        self.channels = channels
+        self.freq = freq
+
+    def forward(self, input: Tensor, channels_last: bool = False) -> Tensor:  # noqa: A002
+        """Project ``[..., C*F]`` features (``[..., F*C]`` with ``channels_last``)."""
+        if not channels_last:
+            return super().forward(input)
+        weight = self.weight.view(-1, self.channels, self.freq).transpose(1, 2)
+        return F.linear(input, weight.reshape(self.out_features, -1), self.bias)
 
 
 class FeedForward(nn.Module):
