@@ -195,7 +195,8 @@ class ConvModule(nn.Module):
             raise ValueError(f"conv_kernel must be odd to keep the length, got {kernel_size}")
         self.norm = nn.LayerNorm(d_model)
         self.pointwise_in = nn.Linear(d_model, 2 * d_model)
-        # fp32 on a CPU under fp16: oneDNN's fp16 depthwise conv hangs there (fast_kernels)
+        # On a CPU: fp32 channels-last in every precision (2x faster; oneDNN's bf16/fp16
+        # depthwise kernels hang on some shapes; fast_kernels.depthwise_conv1d)
         self.depthwise = fast_kernels.Conv1d(
             d_model, d_model, kernel_size, padding=kernel_size // 2, groups=d_model
         )
