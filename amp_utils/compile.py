@@ -66,6 +66,27 @@ def compile_stats() -> dict[str, int]:
     }
 
 
+def compile_options(mode: str, backend: str) -> dict[str, Any]:
+    """Keyword arguments of ``torch.compile`` for the loop: dynamic shapes, ``mode``'s
+    optimisations, and inductor's layout optimisation off.
+
+    On a CPU, inductor (torch 2.11) turns every convolution's tensors channels-last for
+    oneDNN ("layout optimisation"; on CUDA it is skipped under dynamic shapes) and then
+    bakes the first batch shape's strides into the graph: the second shape of a model with
+    a one-channel ``Conv2d`` (the ASR front end) fails a stride assertion, and regionally
+    compiled Conformer blocks did the same, or recompiled for every new shape. Without it,
+    one compile serves every shape and the gradients equal eager's
+    (``tests/test_compile.py``). ``torch.compile`` takes a mode or options, not both, so the
+    mode's own options (``torch._inductor.list_mode_options``) are spelled out.
+    """
+    if backend != "inductor":
+        return {"backend": backend, "dynamic": True}  # modes are inductor's
+    from torch._inductor import list_mode_options
+
+    options = {**list_mode_options(mode, dynamic=True), "layout_optimization": False}
+    return {"dynamic": True, "options": options}
+
+
 def compile_modules(
     modules: torch.nn.ModuleDict, run_opts: RunOptions, device: torch.device
 ) -> bool:
@@ -86,22 +107,9 @@ def compile_modules(
     unknown = sorted(set(keys) - set(modules.keys()))
     if unknown:
         raise ValueError(f"compile_module_keys {unknown} are not modules; valid: {list(modules)}.")
-    backend = run_opts.compile_backend
-    regions = run_opts.compile_regions and (device.type == "cuda" or backend != "inductor")
-    if run_opts.compile_regions and not regions:
-        # torch 2.11's CPU inductor miscompiles regionally compiled Conformer blocks
-        # under dynamic shapes (a mask's symbolic stride is baked in: NaN gradients or
-        # a stride assertion on the second batch shape); the whole module compiles right.
-        logger.warning(
-            "compile_regions with the inductor backend applies on CUDA only; on %s the "
-            "whole modules are compiled (and recompiled for new batch shapes).",
-            device,
-        )
-    options: dict[str, Any] = {"mode": run_opts.compile_mode, "dynamic": True}
-    if backend != "inductor":
-        options = {"backend": backend, "dynamic": True}  # modes are inductor's
+    options = compile_options(run_opts.compile_mode, run_opts.compile_backend)
     for key in keys:
-        if regions:
+        if run_opts.compile_regions:
             compile_regions(unwrap_module(modules[key]), **options)
         else:
             modules[key] = torch.compile(modules[key], **options)

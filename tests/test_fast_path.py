@@ -169,9 +169,9 @@ def test_fast_path_compiles_a_bounded_number_of_times_over_an_epoch(fsdd_root, t
     regionally compiled encoder block a few times at most, not once per shape.
 
     The CPU runs the traced graphs through AOTAutograd without code generation
-    (``aot_eager``): torch 2.11's CPU inductor miscompiles the regional blocks (see
-    ``Brain._compile``), while graph capture and dynamic-shape guards -- what this
-    checks -- are the same for every backend."""
+    (``aot_eager``), which keeps this test fast: graph capture and dynamic-shape guards --
+    what this checks -- are the same for every backend (``tests/test_compile.py`` runs the
+    real CPU inductor)."""
     out = tmp_path / "run"
     result = run_cli(
         "train.py",
@@ -350,8 +350,9 @@ def test_training_steps_never_wait_for_the_gpu(cuda_device, precision):
 @pytest.mark.gpu
 def test_regional_compile_matches_eager_over_changing_shapes_on_cuda(cuda_device):
     """Regionally compiled blocks (CUDA graphs, dynamic shapes) give eager's outputs and
-    gradients while batch size and length change. The CPU inductor of torch 2.11 fails
-    exactly this (a stride of the first shape is baked in), so the CPU compiles whole."""
+    gradients while batch size and length change. The CPU inductor of torch 2.11 failed
+    exactly this with its layout optimisation on (a stride of the first shape baked in;
+    ``compile_options`` turns it off, ``tests/test_compile.py`` checks the CPU)."""
     torch.manual_seed(0)
     kw = dict(n_mels=40, d_model=64, num_layers=3, num_heads=2, ffn_dim=128, dropout=0.0)
     model = ConformerCTC(**kw).to(cuda_device)

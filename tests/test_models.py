@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from amp_utils.compile import compile_options
 from recipes.asr.model import ConformerCTC, ConvFeatureLinear, ctc_log_probs, ctc_loss
 from recipes.speaker.model import XVector, masked_mean_std
 
@@ -227,7 +228,7 @@ def _compile_forward_backward(model_name: str, device: str, dtype: torch.dtype) 
     torch.manual_seed(0)
     small = model_name == "conformer"
     model = (_small_conformer() if small else XVector(channels=64)).to(device)
-    compiled = torch.compile(model, dynamic=True)
+    compiled = torch.compile(model, **compile_options("default", "inductor"))  # the loop's
     for lengths in ((61, 47, 80), (38, 30), (120, 100, 90, 20)):
         feats, feat_lens = (t.to(device) for t in _padded_batch(lengths))
         with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
