@@ -242,7 +242,7 @@ def _compile_forward_backward(model_name: str, device: str, dtype: torch.dtype) 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["conformer", "xvector"])
 def test_torch_compile_inductor_cpu(model_name: str) -> None:
-    """The real inductor backend on CPU (about 2.5 minutes on 2 cores for the Conformer)."""
+    """The real inductor backend on CPU (about 45 s on 2 cores for the Conformer: one compile)."""
     _compile_forward_backward(model_name, "cpu", torch.float32)
 
 
