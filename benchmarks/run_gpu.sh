@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# Everything measured on a GPU, in one command that fits a short lease (~14 min on an H100):
-#   1. bench_m     step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
-#                  fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
-#   2. sweep       experiment=gpu_asr training for bf16, fp32, fp16: test WER after the same steps
-#   3. bench_small step benchmark of the default small recipe with fast_path=cuda_graphs,
-#                  and without it (bench_small_eager)
-#   4. gpu_tests   pytest -m gpu
-# Each part runs under its own time limit inside one deadline; what a part finished is
-# kept. Run from the repo root with the project importable (pip install -e . or
-# PYTHONPATH=.) and FSDD_ROOT set. The lent GPU machine lacks flashlight-text (the lexicon
-# decoder, a core dependency; the GPU tests train with it): carry its cp312 wheel with
-# ../shared/wheels-py312 (see part 2 for the download command). The parts write into $WORK; $OUT
-# keeps a summary and a tarball of $WORK without checkpoints and event files.
+# Everything measured on a GPU, in parts that run in the order PARTS lists them:
+#   bench_small        step benchmark of the default small recipe with fast_path=cuda_graphs
+#   sweep              experiment=gpu_asr training for bf16, fp16, fp32 at once: test WER after
+#                      the same steps (sweep_<p>: one precision alone)
+#   bench_m            step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
+#                      fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
+#   gpu_tests          pytest -m gpu
+#   bench_small_eager  the small recipe without the fast path
+# Each part runs under its own time limit inside one deadline; what a part finished is kept.
+# A lease is 15 minutes of device time, the machine's start (1-2 min) included, and a command
+# at most 10 minutes: the default DEADLINE fits one command, and the default PARTS puts first
+# what no lease has measured yet (bf16 of the small recipe; the accuracy of bf16/fp16 against
+# fp32). On the 2026-11-23 H100: bench_m finished in its 260 s (peers included), bench_small
+# was cut at 80 s (each precision's first compile), gpu_tests at 130 s (13 passed), and a
+# 100-s sweep run during bf16's compile. Run from the repo root with the project importable
+# (pip install -e . or PYTHONPATH=.) and FSDD_ROOT set. The lent GPU machine lacks
+# flashlight-text (the lexicon decoder, a core dependency; the GPU tests train with it):
+# carry its cp312 wheel with ../shared/wheels-py312 (see the sweep part for the download
+# command). The parts write into $WORK; $OUT keeps a summary and a tarball of $WORK without
+# checkpoints and event files.
 # The sizes come from the environment so that a CPU dry run (DEVICE=cpu and tiny *_EXTRA
 # overrides) checks the whole script in minutes.
-# CPU dry run, every part in ~3 min on 2 cores (2026-11-25; the small parts stop at their limits):
+# CPU dry run, every part in ~3 min on 2 cores (2026-11-26; the small parts stop at their limits):
 #   DEVICE=cpu BENCH_STEPS=2 M_BATCH=4 BENCH_UTTS=300 TRAIN_UTTS=200 TRAIN_BATCH=20 TRAIN_EPOCHS=1 \
 #   TRAIN_WARMUP=5 TRAIN_WORKERS=0 BENCH_WORKERS=0 SWEEP_PRECISIONS="fp32 bf16" \
 #   M_EXTRA="model.d_model=32 model.num_layers=1 model.num_heads=2 model.ffn_dim=64 trainer.compile=false data.num_valid=20 data.num_test=20" \
@@ -23,7 +30,7 @@ set -u
 OUT=${OUT:-benchmarks/out}         # what to keep: parts.txt, summary.md, results_*.tgz
 WORK=${WORK:-$OUT}                 # where the parts write (checkpoints, logs, tables)
 DEVICE=${DEVICE:-cuda}
-DEADLINE=${DEADLINE:-840}          # seconds for the whole script
+DEADLINE=${DEADLINE:-560}          # seconds for the whole script (one command: at most 600)
 BENCH_STEPS=${BENCH_STEPS:-20}     # timed steps per benchmark row
 M_BATCH=${M_BATCH:-96}             # synthetic batch of the Conformer-M benchmark (x 4 s)
 BENCH_UTTS=${BENCH_UTTS:-8000}     # generated training utterances behind the benchmark's real batches
@@ -31,24 +38,25 @@ BENCH_UTTS=${BENCH_UTTS:-8000}     # generated training utterances behind the be
                                    # epoch, as most of training's 330-step epochs do; 3000 gave ~15)
 TRAIN_UTTS=${TRAIN_UTTS:-20000}    # generated training utterances of the sweep (~14 h)
 TRAIN_BATCH=${TRAIN_BATCH:-100}    # data.max_batch_seconds of the sweep (x 2 on CUDA)
-TRAIN_EPOCHS=${TRAIN_EPOCHS:-8}    # epochs of each sweep run (~300 optimizer steps each)
+TRAIN_EPOCHS=${TRAIN_EPOCHS:-5}    # epochs of each sweep run (~300 optimizer steps each)
 TRAIN_WARMUP=${TRAIN_WARMUP:-300}  # model.warmup_steps of the sweep
 TRAIN_WORKERS=${TRAIN_WORKERS:-4}  # device.num_workers of each sweep run (3 run at once)
 SWEEP_PRECISIONS=${SWEEP_PRECISIONS:-"bf16 fp16 fp32"}
 SWEEP_PARALLEL=${SWEEP_PARALLEL:-1} # 1: the sweep's precisions train at once (accuracy only)
-SWEEP_LIMIT=${SWEEP_LIMIT:-540}    # seconds for the sweep (each run, if not parallel)
-M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of part 1
-BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind part 1's loader rows
-BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for part 1
-BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-80}  # seconds for part 3 (each precision compiles once)
-GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for part 4
-GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of part 4, in this order (default: all)
-M_EXTRA=${M_EXTRA:-}               # extra overrides for parts 1-2 (dry runs: a tiny model)
-SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for part 3
-SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of part 3
-SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of part 3
-# the parts to run (a lease's commands are limited to 10 minutes: split the list over two)
-PARTS=${PARTS:-"bench_m bench_small bench_small_eager gpu_tests sweep"}  # sweep (parallel) or sweep_<p>
+SWEEP_LIMIT=${SWEEP_LIMIT:-400}    # seconds for the sweep (each run, if not parallel)
+M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of bench_m
+BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader rows
+BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
+BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-150}  # seconds for bench_small (each precision compiles once)
+GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
+GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
+M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
+SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for bench_small(_eager)
+SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of bench_small
+SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
+# the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
+# what the deadline cuts is reported as skipped
+PARTS=${PARTS:-"bench_small sweep bench_m gpu_tests bench_small_eager"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -58,7 +66,6 @@ left() { echo $((DEADLINE - (SECONDS - START))); }
 run_part() {
   local name=$1 limit=$2 remaining
   shift 2
-  [[ " $PARTS " == *" $name "* ]] || return 0
   remaining=$(left)
   ((limit > remaining)) && limit=$remaining
   if ((limit < 15)); then
@@ -76,28 +83,38 @@ run_part() {
   python3 -c "import torch; print('torch', torch.__version__)"
 } > "$WORK/machine.txt"
 
-# 1. Conformer-M step benchmark
-run_part bench_m "$BENCH_M_LIMIT" python3 recipes/benchmark.py experiment=gpu_asr device="$DEVICE" \
-  benchmark.batch_size="$M_BATCH" benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" \
-  benchmark.warmup_steps=5 data.num_train="$BENCH_UTTS" data.num_buckets=4 \
-  benchmark.modes="$M_MODES" device.num_workers="$BENCH_WORKERS" $M_EXTRA \
-  hydra.run.dir="$WORK/bench_m"
+# bench_m: the Conformer-M step benchmark (speed, memory, peers)
+part_bench_m() {
+  run_part bench_m "$BENCH_M_LIMIT" python3 recipes/benchmark.py experiment=gpu_asr device="$DEVICE" \
+    benchmark.batch_size="$M_BATCH" benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" \
+    benchmark.warmup_steps=5 data.num_train="$BENCH_UTTS" data.num_buckets=4 \
+    benchmark.modes="$M_MODES" device.num_workers="$BENCH_WORKERS" $M_EXTRA \
+    hydra.run.dir="$WORK/bench_m"
+}
 
-# 3. the default small recipe, with and without the fast path
-run_part bench_small "$BENCH_SMALL_LIMIT" python3 recipes/benchmark.py device="$DEVICE" fast_path=cuda_graphs \
-  benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
-  benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
-run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
-  benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader] benchmark.tf32_baseline=false \
-  benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small_eager"
+# bench_small / bench_small_eager: the default small recipe, with and without the fast path
+part_bench_small() {
+  run_part bench_small "$BENCH_SMALL_LIMIT" python3 recipes/benchmark.py device="$DEVICE" \
+    fast_path=cuda_graphs benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
+    benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
+}
+part_bench_small_eager() {
+  run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
+    benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader] benchmark.tf32_baseline=false \
+    benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small_eager"
+}
 
-# 4. the GPU tests, with what time is left
-run_part gpu_tests "$GPU_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider --no-header $GPU_TEST_FILES
+# gpu_tests: pytest -m gpu, with what time is left
+part_gpu_tests() {
+  run_part gpu_tests "$GPU_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider --no-header \
+    $GPU_TEST_FILES
+}
 
-# 2. precision sweep of experiment=gpu_asr: the three precisions train at the same time on
-# the one GPU (SWEEP_PARALLEL=1, the default: a short lease fits enough steps for a trained
+# sweep: precision sweep of experiment=gpu_asr. The precisions train at the same time on the
+# one GPU (SWEEP_PARALLEL=1, the default: a short lease fits enough steps for a trained
 # model), each with the same data, seed and number of optimizer steps. This part measures
-# accuracy only: their speeds share the GPU and are not comparable (part 1 measures speed).
+# accuracy only: their speeds share the GPU and are not comparable (bench_m measures speed).
+# sweep_<p> (or SWEEP_PARALLEL=0) trains one precision alone.
 # The lexicon decoder needs flashlight-text, which ../shared/wheels-py312 lacks: carry its
 # cp312 wheel in .whl/ (pip download flashlight-text --python-version 3.12
 # --only-binary=:all: --platform manylinux2014_x86_64 --no-deps -d .whl), else decode greedily.
@@ -119,16 +136,30 @@ sweep_parallel() {  # all of SWEEP_PRECISIONS at once; each logs to sweep_<p>.lo
   trap 'kill "${pids[@]}" 2>/dev/null' TERM
   wait "${pids[@]}"
 }
-if [ "$SWEEP_PARALLEL" = 1 ]; then
-  export -f sweep_run sweep_parallel
-  export DEVICE TRAIN_UTTS TRAIN_BATCH TRAIN_EPOCHS TRAIN_WARMUP TRAIN_WORKERS DECODER M_EXTRA WORK \
-    SWEEP_PRECISIONS
-  run_part sweep "$SWEEP_LIMIT" bash -c sweep_parallel
-else
-  for p in $SWEEP_PRECISIONS; do
-    run_part "sweep_$p" "$SWEEP_LIMIT" sweep_run "$p"
-  done
-fi
+export -f sweep_run sweep_parallel
+export DEVICE TRAIN_UTTS TRAIN_BATCH TRAIN_EPOCHS TRAIN_WARMUP TRAIN_WORKERS DECODER M_EXTRA WORK \
+  SWEEP_PRECISIONS
+part_sweep_alone() {  # part_sweep_alone PRECISION (timeout runs programs, not functions)
+  run_part "sweep_$1" "$SWEEP_LIMIT" bash -c 'sweep_run "$0"' "$1"
+}
+part_sweep() {
+  if [ "$SWEEP_PARALLEL" = 1 ]; then
+    run_part sweep "$SWEEP_LIMIT" bash -c sweep_parallel
+  else
+    for p in $SWEEP_PRECISIONS; do
+      part_sweep_alone "$p"
+    done
+  fi
+}
+
+for part in $PARTS; do
+  case $part in
+    bench_m | bench_small | bench_small_eager | gpu_tests | sweep) "part_$part" ;;
+    sweep_*) part_sweep_alone "${part#sweep_}" ;;
+    *) echo "$part: unknown part (bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+      | tee -a "$WORK/parts.txt" ;;
+  esac
+done
 [ -d "$WORK/sweep_gpu_asr" ] && python3 -c "import pathlib, sys
 from amp_utils.sweep_summary import summarize_sweep; summarize_sweep(pathlib.Path(sys.argv[1]))" \
   "$WORK/sweep_gpu_asr" >> "$WORK/summary.log" 2>&1
