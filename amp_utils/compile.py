@@ -108,6 +108,12 @@ def compile_modules(
     if unknown:
         raise ValueError(f"compile_module_keys {unknown} are not modules; valid: {list(modules)}.")
     options = compile_options(run_opts.compile_mode, run_opts.compile_backend)
+    if device.type == "cpu" and run_opts.compile_backend == "inductor":
+        logger.warning(
+            "torch.compile on a CPU: compiled training steps measured slower than eager ones "
+            "(0.58-0.78x the steps/s on a 2-core Xeon, benchmarks/results/2026-11-26-cpu-"
+            "compile.md) and compiling takes minutes; trainer.compile=false trains faster here."
+        )
     for key in keys:
         if run_opts.compile_regions:
             compile_regions(unwrap_module(modules[key]), **options)

@@ -4,6 +4,7 @@ and the real inductor backend on the CPU over changing batch shapes."""
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 
@@ -41,7 +42,7 @@ def test_compile_options_spell_out_the_mode_and_turn_layout_optimisation_off():
 
 @cpu_inductor
 @pytest.mark.parametrize("regions", [False, True], ids=["whole_model", "regions"])
-def test_cpu_inductor_compiles_once_and_matches_eager_over_changing_shapes(regions):
+def test_cpu_inductor_compiles_once_and_matches_eager_over_changing_shapes(regions, caplog):
     """The default ASR front end (one ``Conv2d`` over a one-channel input: subsampling 2)
     compiled whole, and the Conformer blocks compiled regionally, train over four batch
     shapes with one compile and eager's gradients. With inductor's layout optimisation on
@@ -55,7 +56,9 @@ def test_cpu_inductor_compiles_once_and_matches_eager_over_changing_shapes(regio
     reference = copy.deepcopy(model)
     modules = torch.nn.ModuleDict({"model": model})
     options = RunOptions(compile=True, compile_regions=regions)
-    assert not compile_modules(modules, options, torch.device("cpu"))  # no CUDA graphs
+    with caplog.at_level(logging.WARNING, logger="amp_utils.compile"):
+        assert not compile_modules(modules, options, torch.device("cpu"))  # no CUDA graphs
+    assert "slower than eager" in caplog.text  # the user learns that eager is faster here
     assert (model.blocks[0]._compiled_call_impl is not None) == regions
     for batch, frames in [(3, 61), (2, 38), (4, 120), (3, 29)]:
         feats = torch.randn(batch, frames, 40)
@@ -71,3 +74,15 @@ def test_cpu_inductor_compiles_once_and_matches_eager_over_changing_shapes(regio
         reference.zero_grad(set_to_none=True)
     stats = compile_stats()
     assert stats["recompiles"] == 0 and stats["graph_breaks"] == 0, stats
+
+
+def test_compile_warns_on_the_cpu_only_with_inductor(monkeypatch, caplog):
+    """The CPU warning names the measured slowdown; other backends and CUDA stay quiet."""
+    monkeypatch.setattr(torch, "compile", lambda module, **options: module)
+    modules = torch.nn.ModuleDict({"model": torch.nn.Linear(2, 2)})
+    cases = [("cpu", "inductor", True), ("cpu", "aot_eager", False), ("cuda", "inductor", False)]
+    for device, backend, warned in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="amp_utils.compile"):
+            compile_modules(modules, RunOptions(compile_backend=backend), torch.device(device))
+        assert ("slower than eager" in caplog.text) == warned, (device, backend)
