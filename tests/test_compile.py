@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from amp_utils.compile import compile_modules, compile_options, compile_stats
+from amp_utils.compile import compile_modules, compile_options, compile_regions, compile_stats
 from amp_utils.run_options import RunOptions
 from recipes.asr.model import ConformerCTC
 
@@ -40,6 +40,28 @@ def test_compile_options_spell_out_the_mode_and_turn_layout_optimisation_off():
     assert compile_options("default", "aot_eager") == {"backend": "aot_eager", "dynamic": True}
 
 
+def _assert_trains_like_eager(
+    net, model, reference, shapes, rtol: float, atol: float, cudagraphs: bool = False
+) -> None:
+    """Forward and backward of ``net`` (``model`` compiled) and its eager twin ``reference``
+    over batches of ``(batch, frames)`` features; their gradients must agree for each shape."""
+    device = next(model.parameters()).device
+    for batch, frames in shapes:
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        feats = torch.randn(batch, frames, 40, device=device)
+        lens = torch.randint(frames // 2, frames + 1, (batch,), device=device)
+        lens[0] = frames
+        for module in (net, reference):
+            logits, _ = module(feats, lens)
+            logits.square().mean().backward()
+        pairs = zip(model.named_parameters(), reference.parameters(), strict=True)
+        for (name, param), expected in pairs:
+            torch.testing.assert_close(param.grad, expected.grad, rtol=rtol, atol=atol, msg=name)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+
+
 @cpu_inductor
 @pytest.mark.parametrize("regions", [False, True], ids=["whole_model", "regions"])
 def test_cpu_inductor_compiles_once_and_matches_eager_over_changing_shapes(regions, caplog):
@@ -60,18 +82,8 @@ def test_cpu_inductor_compiles_once_and_matches_eager_over_changing_shapes(regio
         assert not compile_modules(modules, options, torch.device("cpu"))  # no CUDA graphs
     assert "slower than eager" in caplog.text  # the user learns that eager is faster here
     assert (model.blocks[0]._compiled_call_impl is not None) == regions
-    for batch, frames in [(3, 61), (2, 38), (4, 120), (3, 29)]:
-        feats = torch.randn(batch, frames, 40)
-        lens = torch.randint(frames // 2, frames + 1, (batch,))
-        lens[0] = frames
-        for net in (modules["model"], reference):
-            logits, _ = net(feats, lens)
-            logits.square().mean().backward()
-        pairs = zip(model.named_parameters(), reference.parameters(), strict=True)
-        for (name, param), expected in pairs:
-            torch.testing.assert_close(param.grad, expected.grad, rtol=1e-4, atol=1e-6, msg=name)
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+    shapes = [(3, 61), (2, 38), (4, 120), (3, 29)]
+    _assert_trains_like_eager(modules["model"], model, reference, shapes, rtol=1e-4, atol=1e-6)
     stats = compile_stats()
     assert stats["recompiles"] == 0 and stats["graph_breaks"] == 0, stats
 
@@ -86,3 +98,17 @@ def test_compile_warns_on_the_cpu_only_with_inductor(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, logger="amp_utils.compile"):
             compile_modules(modules, RunOptions(compile_backend=backend), torch.device(device))
         assert ("slower than eager" in caplog.text) == warned, (device, backend)
+
+
+@pytest.mark.gpu
+def test_regional_compile_matches_eager_over_changing_shapes_on_cuda(cuda_device):
+    """Regionally compiled blocks (CUDA graphs, dynamic shapes) give eager's outputs and
+    gradients while batch size and length change, with the loop's compile options."""
+    torch.manual_seed(0)
+    config = dict(n_mels=40, d_model=64, num_layers=3, num_heads=2, ffn_dim=128, dropout=0.0)
+    model = ConformerCTC(**config).to(cuda_device)
+    reference = copy.deepcopy(model)
+    compile_regions(model, **compile_options("reduce-overhead", "inductor"))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = [(26, 230), (187, 33), (159, 38)] * 2
+    _assert_trains_like_eager(model, model, reference, shapes, 1e-3, 1e-4, cudagraphs=True)
