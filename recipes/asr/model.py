@@ -81,9 +81,10 @@ class Conv2dSubsampling(nn.Module):
             valid = frames < feat_lens.view(-1, 1, 1)  # [B, T, 1]
             x = feats.masked_fill(~valid, 0.0).unsqueeze(-1).permute(0, 3, 1, 2)
         else:
-            # Zero the padding, and make the conv input a computed tensor rather than a view:
-            # inductor (torch 2.11) cannot order the symbolic strides of a saved
-            # size-1-channel view under dynamic shapes (valid outputs never see padding).
+            # Zero the padding (valid outputs never see it) in a computed tensor, not a view:
+            # inductor (torch 2.11) once failed on a one-channel view's strides under dynamic
+            # shapes. The computed tensor failed the same way on the CPU until
+            # amp_utils.compile.compile_options turned inductor's layout optimisation off.
             valid = frames < feat_lens.view(-1, 1, 1, 1)  # [B, 1, T, 1]
             x = feats.unsqueeze(1).masked_fill(~valid, 0.0)
         for layer in layers:
