@@ -48,6 +48,71 @@ class Outcome:
         return self.reference == self.prediction
 
 
+@dataclass(frozen=True)
+class Collapse:
+    """A model that says (nearly) the same thing whatever it hears.
+
+    Attributes:
+        label: what it says: a word (ASR; ``MISSING`` for empty transcripts) or a label.
+        share: fraction of everything the model said that is ``label``.
+        reference_share: fraction of the references that is ``label``.
+    """
+
+    label: str
+    share: float
+    reference_share: float
+
+    def message(self) -> str:
+        """One line for the log and the report: what was seen, what it means, what to try."""
+        said = "nothing (an empty transcript)" if self.label == MISSING else f'"{self.label}"'
+        return (
+            f"The model said {said} for {100 * self.share:.0f} % of its outputs (the "
+            f"references: {100 * self.reference_share:.0f} %): it has learned the labels' "
+            "prior, not the audio (for CTC: the plateau before alignments form). Typical "
+            "causes: too few optimizer steps for the model, batches too large for them "
+            "(fewer, less noisy steps), or a learning rate that is off."
+        )
+
+
+#: A collapse: one output makes up at least this share of what the model said ...
+COLLAPSE_SHARE = 0.5
+#: ... and at least this many times its share of the references ...
+COLLAPSE_RATIO = 3.0
+#: ... over at least this many outputs.
+COLLAPSE_MIN_OUTPUTS = 20
+
+
+def _units(text: str, words: bool) -> list[str]:
+    """What a transcript or label counts as: its words (an empty one: ``MISSING``)."""
+    if not words:
+        return [text or MISSING]
+    return text.split() or [MISSING]
+
+
+def find_collapse(outcomes: Sequence[Outcome], words: bool) -> Collapse | None:
+    """The output a collapsed model keeps giving, or None for a model that listens.
+
+    A model that has learned only the label prior (a CTC model on its plateau, a classifier
+    that always picks one class) answers most utterances with the same word or label, or
+    with nothing. That shows long before a metric explains it: e.g. Conformer-M trained on
+    too large batches wrote "five" for nearly every digit (CER 64 %;
+    benchmarks/results/2026-11-26-h200.md). Flagged when one output is at least
+    ``COLLAPSE_SHARE`` of all outputs and ``COLLAPSE_RATIO`` times its share of the
+    references, over at least ``COLLAPSE_MIN_OUTPUTS`` outputs.
+    """
+    said = Counter(u for o in outcomes for u in _units(o.prediction, words))
+    total = sum(said.values())
+    if total < COLLAPSE_MIN_OUTPUTS:
+        return None
+    label, count = said.most_common(1)[0]
+    references = Counter(u for o in outcomes for u in _units(o.reference, words))
+    share = count / total
+    reference_share = references[label] / max(sum(references.values()), 1)
+    if share < COLLAPSE_SHARE or share < COLLAPSE_RATIO * reference_share:
+        return None
+    return Collapse(label, share, reference_share)
+
+
 def word_confusions(reference: str, prediction: str) -> list[tuple[str, str]]:
     """(reference word, predicted word) for each word the two transcripts disagree on.
 
@@ -115,6 +180,9 @@ def error_report(
     wrong = [o for o in outcomes if not o.correct]
     share = 100.0 * len(wrong) / max(len(outcomes), 1)
     lines = [f"# {title}", "", f"{len(wrong)} of {len(outcomes)} utterances wrong ({share:.2f} %)."]
+    collapse = find_collapse(outcomes, words)
+    if collapse is not None:
+        lines += ["", f"**Collapsed.** {collapse.message()}"]
 
     per_speaker: dict[str, list[Outcome]] = defaultdict(list)
     for outcome in outcomes:

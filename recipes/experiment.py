@@ -48,7 +48,7 @@ from amp_utils.tensorboard import TENSORBOARD_DIR, TensorBoardLogger
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError
 from recipes.data_setup import DataBundle, build_data
-from recipes.error_report import TEST_ERRORS_FILE, error_report
+from recipes.error_report import TEST_ERRORS_FILE, error_report, find_collapse
 from recipes.modules import build_modules
 from recipes.preflight import preflight, run_options
 from recipes.run_folder import LABELS_FILE, RunFolder, finished_message, finished_results
@@ -371,14 +371,18 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store
         if not main:
             return results.to_dict()
+        words = task_for(cfg.model).needs_tokenizer
         atomic_write_text(
             out_dir / TEST_ERRORS_FILE,
             error_report(
                 brain.outcomes,
-                words=task_for(cfg.model).needs_tokenizer,
+                words=words,
                 title=f"Test errors of {out_dir.name} ({cfg.model.name}, {cfg.data.name})",
             ),
         )
+        collapse = find_collapse(brain.outcomes, words)
+        if collapse is not None:
+            logger.warning("test: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
         results.write(out_dir / RESULTS_FILE)
         hparams, metrics = tensorboard_hparams(cfg, results, data)
         tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)

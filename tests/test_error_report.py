@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from recipes.error_report import MISSING, Outcome, confusions, error_report, word_confusions
+import random
+
+from data.text import DIGIT_WORDS
+from recipes.error_report import (
+    MISSING,
+    Outcome,
+    confusions,
+    error_report,
+    find_collapse,
+    word_confusions,
+)
 
 
 def test_word_confusions_pair_substitutions_and_mark_missing_or_extra_words() -> None:
@@ -65,3 +75,54 @@ def test_a_perfect_test_reports_no_confusions() -> None:
     report = error_report([Outcome("a", "s", "one", "one")], words=True)
     assert "0 of 1 utterances wrong (0.00 %)." in report
     assert "| — | — | 0 | — |" in report
+
+
+def connected_digits(predict, n: int = 60, seed: int = 0) -> list[Outcome]:
+    """``n`` outcomes of 2-7 random digit words each; ``predict(reference)`` is the model."""
+    rng = random.Random(seed)
+    outcomes = []
+    for i in range(n):
+        reference = " ".join(rng.choice(DIGIT_WORDS) for _ in range(rng.randint(2, 7)))
+        outcomes.append(Outcome(f"u{i}", f"s{i % 6}", reference, predict(reference)))
+    return outcomes
+
+
+def test_a_model_that_says_five_to_everything_is_flagged_as_collapsed() -> None:
+    """What Conformer-M wrote on the H200 with too large batches (CER 64 %)."""
+    outcomes = connected_digits(lambda ref: "five five" if len(ref) % 2 else "five")
+    collapse = find_collapse(outcomes, words=True)
+    assert collapse is not None and collapse.label == "five"
+    assert collapse.share == 1.0 and 0.0 < collapse.reference_share < 0.2
+    report = error_report(outcomes, words=True)
+    assert f"**Collapsed.** {collapse.message()}" in report.splitlines()
+    assert '"five" for 100 %' in collapse.message() and "prior" in collapse.message()
+
+
+def test_empty_transcripts_and_one_speaker_for_all_are_collapses_too() -> None:
+    blank = find_collapse(connected_digits(lambda ref: ""), words=True)
+    assert blank is not None and blank.label == MISSING and blank.reference_share == 0.0
+    speakers = [Outcome(f"u{i}", "x", f"s{i % 6}", "s2") for i in range(30)]
+    one = find_collapse(speakers, words=False)
+    assert one is not None and one.label == "s2" and round(one.reference_share, 3) == 0.167
+
+
+def test_a_model_that_listens_is_not_flagged_even_when_it_errs_often() -> None:
+    def sloppy(ref: str) -> str:  # every other word wrong, the errors spread over digits
+        words = ref.split()
+        return " ".join(
+            w if k % 2 else DIGIT_WORDS[(k + len(ref)) % 10] for k, w in enumerate(words)
+        )
+
+    outcomes = connected_digits(sloppy)
+    assert sum(not o.correct for o in outcomes) > 30
+    assert find_collapse(outcomes, words=True) is None
+    assert "Collapsed" not in error_report(outcomes, words=True)
+    few = [Outcome(f"u{i}", "s", word, "two") for i, word in enumerate(DIGIT_WORDS[3:8])]
+    assert find_collapse(few, words=True) is None  # 5 outputs: too few to tell
+
+
+def test_saying_what_most_references_say_is_not_a_collapse() -> None:
+    """A test set that is mostly one word, answered with that word, is a right answer."""
+    outcomes = [Outcome(f"u{i}", "s", "two", "two") for i in range(25)]
+    outcomes += [Outcome(f"v{i}", "s", "six", "two") for i in range(5)]
+    assert find_collapse(outcomes, words=True) is None

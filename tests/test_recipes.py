@@ -84,7 +84,7 @@ def test_every_config_option_composes_and_validates():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
-    tmp_path, fsdd_root, prepared_digits, precision
+    tmp_path, fsdd_root, prepared_digits, precision, caplog
 ):
     cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, f"precision={precision}")
     results = train(cfg)
@@ -100,6 +100,9 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert saved["peak_memory_mb"] > 0 and saved["wall_time_s"] > 0
     assert saved["optimizer_steps"] == 4
     assert "torch" in (run / "env.txt").read_text()
+    # Four steps teach a CTC model to say nothing: the error report and the log say so.
+    assert "**Collapsed.** The model said nothing" in (run / "test_errors.md").read_text()
+    assert "The model said nothing" in caplog.text
     # The lexicon of the default decoder: the words of the training transcripts.
     labels = json.loads((run / "labels.json").read_text())
     assert labels["words"] == sorted(DIGIT_WORDS)
