@@ -10,15 +10,16 @@
 # Each part runs under its own time limit inside one deadline; what a part finished is kept.
 # A lease is 15 minutes of device time, the machine's start (1-2 min) included, and a command
 # at most 10 minutes: the default DEADLINE fits one command, and the default PARTS puts first
-# what no lease has measured yet (bf16 of the small recipe; the accuracy of bf16/fp16 against
-# fp32). On the 2026-11-23 H100: bench_m finished in its 260 s (peers included), bench_small
-# was cut at 80 s (each precision's first compile), gpu_tests at 130 s (13 passed), and a
-# 100-s sweep run during bf16's compile. Run from the repo root with the project importable
+# what no lease has measured yet (the accuracy of bf16/fp16 against fp32 on a trained model).
+# On the 2026-11-26 H200 (commit 792da4a): the sweep took 288 s (1500 steps; none of its
+# models learned at Conformer-M's former lr 1e-3, now 5e-4), bench_small ~65 s per precision
+# (its compile), bench_m's fp32 and TF32 rows ~117 s, gpu_tests 20 of 26 in 85 s.
+# Run from the repo root with the project importable
 # (pip install -e . or PYTHONPATH=.) and FSDD_ROOT set. The lent GPU machine lacks
 # flashlight-text (the lexicon decoder, a core dependency; the GPU tests train with it):
 # carry its cp312 wheel with ../shared/wheels-py312 (see the sweep part for the download
 # command). The parts write into $WORK; $OUT keeps a summary and a tarball of $WORK without
-# checkpoints and event files.
+# checkpoints.
 # The sizes come from the environment so that a CPU dry run (DEVICE=cpu and tiny *_EXTRA
 # overrides) checks the whole script in minutes.
 # CPU dry run, every part in ~3 min on 2 cores (2026-11-26; the small parts stop at their limits):
@@ -38,7 +39,7 @@ BENCH_UTTS=${BENCH_UTTS:-8000}     # generated training utterances behind the be
                                    # epoch, as most of training's 330-step epochs do; 3000 gave ~15)
 TRAIN_UTTS=${TRAIN_UTTS:-20000}    # generated training utterances of the sweep (~14 h)
 TRAIN_BATCH=${TRAIN_BATCH:-100}    # data.max_batch_seconds of the sweep (x 2 on CUDA)
-TRAIN_EPOCHS=${TRAIN_EPOCHS:-5}    # epochs of each sweep run (~300 optimizer steps each)
+TRAIN_EPOCHS=${TRAIN_EPOCHS:-5}    # epochs of each sweep run (~300 optimizer steps each; 288 s on the H200)
 TRAIN_WARMUP=${TRAIN_WARMUP:-300}  # model.warmup_steps of the sweep
 TRAIN_WORKERS=${TRAIN_WORKERS:-4}  # device.num_workers of each sweep run (3 run at once)
 SWEEP_PRECISIONS=${SWEEP_PRECISIONS:-"bf16 fp16 fp32"}
@@ -47,7 +48,7 @@ SWEEP_LIMIT=${SWEEP_LIMIT:-400}    # seconds for the sweep (each run, if not par
 M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of bench_m
 BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader rows
 BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
-BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-150}  # seconds for bench_small (each precision compiles once)
+BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
 GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
@@ -56,7 +57,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"bench_small sweep bench_m gpu_tests bench_small_eager"}
+PARTS=${PARTS:-"sweep bench_small bench_m gpu_tests bench_small_eager"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -96,7 +97,7 @@ part_bench_m() {
 part_bench_small() {
   run_part bench_small "$BENCH_SMALL_LIMIT" python3 recipes/benchmark.py device="$DEVICE" \
     fast_path=cuda_graphs benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
-    benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
+    benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
 }
 part_bench_small_eager() {
   run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
@@ -164,8 +165,10 @@ done
 from amp_utils.sweep_summary import summarize_sweep; summarize_sweep(pathlib.Path(sys.argv[1]))" \
   "$WORK/sweep_gpu_asr" >> "$WORK/summary.log" 2>&1
 
+# TensorBoard event files come back too (tens of kB a run: the per-step loss curves that
+# tell a model that is learning slowly from one that is not)
 tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=checkpoints \
-  --exclude='*.tfevents*' --exclude='results_*.tgz' -C "$WORK" . 2>/dev/null
+  --exclude='results_*.tgz' -C "$WORK" . 2>/dev/null
 {
   cat "$WORK/parts.txt"
   for md in "$WORK"/bench_m/benchmark.md "$WORK"/sweep_gpu_asr/summary.md \
