@@ -382,7 +382,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         )
         collapse = find_collapse(brain.outcomes, words)
         if collapse is not None:
-            logger.warning("test: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
+            logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
         results.write(out_dir / RESULTS_FILE)
         hparams, metrics = tensorboard_hparams(cfg, results, data)
         tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
