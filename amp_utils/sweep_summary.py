@@ -4,7 +4,9 @@ Each run writes ``results.json`` into its job folder. :func:`summarize_sweep` co
 into ``summary.md`` and ``summary.csv`` in the sweep directory, with the speed-up of each
 run over the fp32 run that differs from it only in precision. Job folders (found through
 Hydra's ``.hydra/overrides.yaml``) without ``results.json`` are listed as failed, so a
-crashed run is visible instead of silently missing. The sweep folder also gets TensorBoard's
+crashed run is visible instead of silently missing; for a run whose test found a collapsed
+model (one output for everything: ``recipes/error_report.py``) the ``collapsed to`` column
+says what it said, since its metrics compare nothing. The sweep folder also gets TensorBoard's
 HParams experiment (swept keys first, the test metrics), so ``tensorboard --logdir`` on it
 compares the runs. :class:`SweepSummaryCallback` runs it
 at the end of every multirun.
@@ -32,7 +34,16 @@ MISSING = "—"
 SPEEDUP_COLUMN = "speed-up vs fp32"
 _LEADING_COLUMNS = ("run", "status", "precision", "device", "processes", "model", "data")
 _PRECISION_ORDER = ("fp32", "fp16", "bf16")
-_TRAILING_COLUMNS = ("utt/s", "audio-s/s", SPEEDUP_COLUMN, "peak memory MB", "wall time s")
+#: What a collapsed model said to everything (``recipes/error_report.py``), or "no".
+COLLAPSED_COLUMN = "collapsed to"
+_TRAILING_COLUMNS = (
+    "utt/s",
+    "audio-s/s",
+    SPEEDUP_COLUMN,
+    "peak memory MB",
+    "wall time s",
+    COLLAPSED_COLUMN,
+)
 
 
 def _format_number(value: Any) -> str:
@@ -132,6 +143,19 @@ def _collect_runs(sweep_dir: Path) -> list[dict[str, Any]]:
     return runs
 
 
+def _collapsed_cell(collapsed: dict[str, Any] | None) -> str:
+    """'"five" (97 %)' for a model that said "five" to everything, 'no' for one that listens.
+
+    Such a model learned the labels' prior, not the audio: its metrics compare nothing
+    (the run's ``test_errors.md`` explains). Results from before this field: "no".
+    """
+    if not collapsed:
+        return "no"
+    label = collapsed.get("label")
+    said = "nothing" if label in (None, "", "∅") else f'"{label}"'
+    return f"{said} ({100 * float(collapsed.get('share', 0.0)):.0f} %)"
+
+
 def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Table rows (all values formatted as strings) in the order of ``runs``."""
     metric_names: list[str] = []
@@ -181,6 +205,7 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
             row[SPEEDUP_COLUMN] = f"{speed / reference:.2f}x"
         row["peak memory MB"] = _format_number(results.peak_memory_mb)
         row["wall time s"] = _format_number(results.wall_time_s)
+        row[COLLAPSED_COLUMN] = _collapsed_cell(results.collapsed)
         rows.append(row)
     return rows
 
@@ -334,8 +359,8 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
         each other, in the order fp32, fp16, bf16): dicts from column name to the formatted
         cell (``run``, ``status``, ``precision``, ``device``, ``processes``, ``model``,
         ``data``, each test metric with its unit (``test CER %``, ``test loss``), ``utt/s``,
-        ``audio-s/s``, ``speed-up vs fp32``, ``peak memory MB``, ``wall time s``); missing values
-        are ``"—"``.
+        ``audio-s/s``, ``speed-up vs fp32``, ``peak memory MB``, ``wall time s``,
+        ``collapsed to``); missing values are ``"—"``.
     """
     sweep_dir = Path(sweep_dir)
     runs = _collect_runs(sweep_dir)

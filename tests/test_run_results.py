@@ -22,6 +22,7 @@ RESULTS_KEYS = [
     "dataset",
     "overrides",
     "test_metrics",
+    "collapsed",
     "tested_checkpoint",
     "valid_metrics",
     "valid_metrics_of",
