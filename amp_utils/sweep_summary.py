@@ -151,9 +151,7 @@ def _collapsed_cell(collapsed: dict[str, Any] | None) -> str:
     """
     if not collapsed:
         return "no"
-    label = collapsed.get("label")
-    said = "nothing" if label in (None, "", "∅") else f'"{label}"'
-    return f"{said} ({100 * float(collapsed.get('share', 0.0)):.0f} %)"
+    return f"{collapsed['said']} ({100 * float(collapsed['share']):.0f} %)"
 
 
 def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import difflib
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 #: Stands for the absent side of a deleted or inserted word.
 MISSING = "∅"
@@ -62,9 +63,18 @@ class Collapse:
     share: float
     reference_share: float
 
+    @property
+    def said(self) -> str:
+        """What the model said, for people: ``"five"``, or ``nothing`` (empty transcripts)."""
+        return "nothing" if self.label == MISSING else f'"{self.label}"'
+
+    def record(self) -> dict[str, Any]:
+        """The collapse for ``results.json`` (read back by the sweep summary)."""
+        return {**asdict(self), "said": self.said}
+
     def message(self) -> str:
         """One line for the log and the report: what was seen, what it means, what to try."""
-        said = "nothing (an empty transcript)" if self.label == MISSING else f'"{self.label}"'
+        said = self.said + (" (an empty transcript)" if self.label == MISSING else "")
         return (
             f"The model said {said} for {100 * self.share:.0f} % of its outputs (the "
             f"references: {100 * self.reference_share:.0f} %): it has learned the labels' "

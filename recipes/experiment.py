@@ -12,7 +12,6 @@ every rank builds the same objects, and only rank 0 logs and writes the run's fi
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import platform
@@ -384,7 +383,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         collapse = find_collapse(brain.outcomes, words)
         if collapse is not None:
             logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
-            results.collapsed = dataclasses.asdict(collapse)
+            results.collapsed = collapse.record()
         results.write(out_dir / RESULTS_FILE)
         hparams, metrics = tensorboard_hparams(cfg, results, data)
         tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)

@@ -116,14 +116,19 @@ def test_speedup_compares_only_runs_that_differ_in_precision(tmp_path: Path) -> 
 def test_a_run_whose_model_collapsed_is_marked_in_the_table(tmp_path: Path) -> None:
     """The H200 sweep's three runs all wrote "five" for every digit; the table said "ok"."""
     collapsed = _results("bf16", ["precision=bf16"], CER=63.9, WER=90.1)
-    collapsed["collapsed"] = {"label": "five", "share": 0.97, "reference_share": 0.1}
+    collapsed["collapsed"] = {
+        "label": "five",
+        "share": 0.97,
+        "reference_share": 0.1,
+        "said": '"five"',
+    }
     _write_job(tmp_path, "0", ["precision=fp32"], _results("fp32", ["precision=fp32"]))
     _write_job(tmp_path, "1", ["precision=bf16"], collapsed)
     by_run = {row["run"]: row for row in summarize_sweep(tmp_path)}
     assert by_run["0"]["collapsed to"] == "no" and by_run["1"]["collapsed to"] == '"five" (97 %)'
     assert by_run["1"]["status"] == "ok" and by_run["1"]["test WER %"] == "90.10"
     assert '| "five" (97 %) |' in (tmp_path / "summary.md").read_text()
-    collapsed["collapsed"] = {"label": "∅", "share": 1.0, "reference_share": 0.0}
+    collapsed["collapsed"] = {"label": "∅", "share": 1.0, "reference_share": 0.0, "said": "nothing"}
     _write_job(tmp_path, "2", ["precision=fp16"], collapsed)
     assert {r["run"]: r for r in summarize_sweep(tmp_path)}["2"][
         "collapsed to"
