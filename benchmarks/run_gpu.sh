@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Everything measured on a GPU, in parts that run in the order PARTS lists them:
-#   bench_small        step benchmark of the default small recipe with fast_path=cuda_graphs
+# Everything measured on a GPU, in parts that run in the order PARTS lists them (default:
+# the order below):
 #   sweep              experiment=gpu_asr training for bf16, fp16, fp32 at once: test WER after
 #                      the same steps (sweep_<p>: one precision alone)
+#   bench_small        step benchmark of the default small recipe with fast_path=cuda_graphs
 #   bench_m            step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
 #                      fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
 #   gpu_tests          pytest -m gpu
