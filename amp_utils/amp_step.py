@@ -149,6 +149,18 @@ class AMPOptimizerStep:
         _zero_grad(optimizers)
         return StepInfo(grad_norm.detach(), skip)
 
+    def reset(self) -> None:
+        """Forget a step that was started but not finished (a CUDA-graph capture that
+        failed part-way): the loss window and the scaler's per-optimizer stage, so that
+        the next step unscales and steps afresh. The loss scale itself is kept."""
+        self._window_finite = None
+        if self.scaler.is_enabled():
+            from collections import defaultdict
+
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+            self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
     def loss_scale(self) -> torch.Tensor | None:
         """The current fp16 loss scale as a device tensor (no sync); None without fp16."""
         return self.scaler._get_scale_async() if self.scaler.is_enabled() else None

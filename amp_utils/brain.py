@@ -75,6 +75,13 @@ from amp_utils.rng_state import capture_rng_state, restore_rng_state
 from amp_utils.run_options import RunOptions
 from amp_utils.running_mean import RunningMean
 from amp_utils.stall_watchdog import StallWatchdog
+from amp_utils.step_graphs import (
+    CapturableOptimizers,
+    CaptureFailed,
+    StepGraphs,
+    clone_tensors,
+    tensor_leaves,
+)
 from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
 
 logger = logging.getLogger(__name__)
@@ -196,6 +203,11 @@ class Brain:
         self._compiled = False
         self._cudagraphs = False  # compiled modules replay CUDA graphs: mark each step
         self._ddp_modules: list[DistributedDataParallel] = []
+        #: True while a step that may be captured as a CUDA graph runs (``graph_step``):
+        #: recipes then compute from device tensors only (no host syncs, no host values).
+        self.graph_safe_step = False
+        self._step_graphs: StepGraphs | None = None
+        self._capturable: CapturableOptimizers | None = None
 
         if self.checkpointer is not None:
             registered = [id(obj) for obj in self.checkpointer.recoverables.values()]
@@ -311,6 +323,7 @@ class Brain:
             ckpt = self.checkpointer.recover_if_possible(map_location=self.device)
             if ckpt is not None:
                 self._after_resume(ckpt)
+        self._set_up_step_graphs()
 
     def _after_resume(self, ckpt: Checkpoint) -> None:
         if self._resume_step > 0 and isinstance(self._epoch_counter, EpochCounter):
@@ -407,6 +420,10 @@ class Brain:
         """
         should_step = self.step % self.run_opts.grad_accumulation_factor == 0
         self.on_fit_batch_start(batch, should_step)
+        if self._step_graphs is not None:
+            graphed_loss = self._fit_batch_graphed(batch)
+            if graphed_loss is not None:
+                return graphed_loss
         self.mark_step()
         with self.no_sync(not should_step):
             with TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype):
@@ -420,6 +437,116 @@ class Brain:
         self.ledger.record(self.step, global_loss, step_info, self.amp_step.loss_scale())
         self.on_fit_batch_end(batch, outputs, loss, should_step)
         return loss.detach()
+
+    # ------------------------------------------------- whole-step CUDA graphs
+    def step_graph_blocker(self) -> str | None:
+        """Why this run's training step cannot be captured whole (``graph_step``), or None.
+
+        Subclasses add their own reasons (e.g. augmentation that changes the batch shape).
+        """
+        if self.device.type != "cuda":
+            return f"whole-step CUDA graphs need a CUDA device (this run: {self.device.type})"
+        if self.run_opts.grad_accumulation_factor != 1:
+            return "gradient accumulation (trainer.grad_accumulation_factor > 1) is not captured"
+        if self.distributed.world_size > 1:
+            return "DDP's gradient all-reduce is not captured (one process only)"
+        if self._cudagraphs:
+            return "torch.compile already replays CUDA graphs (trainer.compile_mode)"
+        optimizers = list(self.optimizers_dict.values())
+        if not optimizers:
+            return "there is no optimizer"
+        if not all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers):
+            return (
+                "the optimizer is not fused (trainer.fused_optimizer=true): others decide on "
+                "the host whether to skip a step"
+            )
+        return None
+
+    def _set_up_step_graphs(self) -> None:
+        """With ``graph_step``, train through :class:`StepGraphs` unless something blocks it."""
+        self._step_graphs = None
+        if not self.run_opts.graph_step:
+            return
+        blocker = self.step_graph_blocker()
+        if blocker is not None:
+            logger.warning("trainer.graph_step: %s; the step runs as usual.", blocker)
+            return
+        self._capturable = CapturableOptimizers(list(self.optimizers_dict.values()), self.device)
+        self._step_graphs = StepGraphs(
+            self._graph_safe_step,
+            self.static_batch,
+            self.copy_into_static,
+            warmup_steps=self.run_opts.graph_step_warmup,
+            max_shapes=self.run_opts.graph_step_max_shapes,
+            capture=self.device.type == "cuda",  # elsewhere (tests) the body runs eagerly
+        )
+        logger.info(
+            "trainer.graph_step: each batch shape's whole training step is captured as a CUDA "
+            "graph after %d eager steps, then replayed.",
+            self.run_opts.graph_step_warmup,
+        )
+
+    def static_batch(self, batch: Any) -> Any:
+        """A copy of ``batch`` with tensors of its own: a captured step's inputs."""
+        return clone_tensors(batch)
+
+    def copy_into_static(self, static: Any, batch: Any) -> None:
+        """Copy ``batch``'s tensors into ``static`` (from :meth:`static_batch`)."""
+        for dst, src in zip(tensor_leaves(static), tensor_leaves(batch), strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    def graph_input(self, batch: Any) -> Any:
+        """What a captured step reads of ``batch`` (subclasses drop host-side copies)."""
+        return batch
+
+    def _graph_safe_step(self, batch: Any) -> tuple[Any, ...]:
+        """The whole training step from device tensors alone: what :class:`StepGraphs`
+        warms up, captures and replays. Returns (outputs, loss, step info, loss scale)."""
+        assert self._capturable is not None
+        self.graph_safe_step = True
+        try:
+            # No autocast weight cache: its casts would be made once, at the capture.
+            autocast = TorchAutocast(
+                device_type=self.device_type, dtype=self.amp.dtype, cache_enabled=False
+            )
+            with autocast:
+                outputs = self.compute_forward(batch, Stage.TRAIN)
+                loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
+            self.amp_step.backward(loss)
+            loss = loss.detach()
+            self.amp_step.observe_loss(loss)
+            with self._capturable.during_step():
+                step_info = self.amp_step.step(self.optimizers_dict.values())
+            return outputs, loss, step_info, self.amp_step.loss_scale()
+        finally:
+            self.graph_safe_step = False
+
+    def _fit_batch_graphed(self, batch: Any) -> torch.Tensor | None:
+        """``fit_batch`` through the step graphs; None when a capture failed (the caller
+        then trains on this batch as usual, and so does every later step)."""
+        assert self._step_graphs is not None and self._capturable is not None
+        self.flush_pending()  # the previous step's values (and the LR schedule) are read
+        self._capturable.refresh()
+        try:
+            outputs, loss, step_info, scale = self._step_graphs(self.graph_input(batch))
+        except CaptureFailed as err:
+            logger.warning(
+                "trainer.graph_step: the training step could not be captured as a CUDA graph "
+                "(%s); training goes on without whole-step graphs.",
+                err,
+            )
+            self._step_graphs = None
+            self.graph_safe_step = False
+            self.amp_step.reset()
+            self.zero_grad(set_to_none=True)
+            return None
+        self.ledger.record(self.step, loss, step_info, scale)
+        self.on_fit_batch_end(batch, outputs, loss, True)
+        return loss
+
+    def step_graph_stats(self) -> dict[str, int] | None:
+        """Graphs captured, replays and eager steps of ``graph_step`` (None: not in use)."""
+        return self._step_graphs.stats() if self._step_graphs is not None else None
 
     def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         if self.distributed.world_size == 1:

@@ -39,6 +39,9 @@ class RunOptions:
     compile_backend: str = "inductor"  # torch.compile backend (aot_eager: no code generation)
     compile_regions: bool = False  # compile each ModuleList block (one compile for all) in place
     compile_eval: bool = False  # also run validation/test compiled (else eagerly: no capture)
+    graph_step: bool = False  # capture each batch shape's whole training step as a CUDA graph
+    graph_step_warmup: int = 2  # eager steps of each batch shape before its capture
+    graph_step_max_shapes: int = 64  # batch shapes captured at most (later ones run eagerly)
     log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
     allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
     onednn_cache_capacity: int | None = None  # CPU kernels oneDNN keeps (None: its own 1024)
@@ -83,6 +86,11 @@ class RunOptions:
             raise ValueError(
                 f"distributed_backend must be one of {', '.join(BACKENDS)}; "
                 f"got {self.distributed_backend!r}."
+            )
+        if self.graph_step_warmup < 1 or self.graph_step_max_shapes < 1:
+            raise ValueError(
+                "graph_step_warmup and graph_step_max_shapes must be >= 1, got "
+                f"{self.graph_step_warmup} and {self.graph_step_max_shapes}."
             )
         if self.log_interval_steps < 1:
             raise ValueError(f"log_interval_steps must be >= 1, got {self.log_interval_steps}.")

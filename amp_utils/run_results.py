@@ -81,6 +81,8 @@ class RunResults:
     num_parameters: int | None = None
     skipped_files: int = 0  # unreadable audio files skipped (data.skip_bad_files)
     compile: dict[str, Any] | None = None  # torch.compile statistics, when compiled
+    # trainer.graph_step: CUDA graphs captured, replays and eager steps (this session's)
+    step_graphs: dict[str, int] | None = None
     torch_version: str | None = None
 
     @property

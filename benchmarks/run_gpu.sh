@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Everything measured on a GPU, in parts that run in the order PARTS lists them (default:
 # the order below):
+#   bench_graphs       step benchmark of the default small recipe with fast_path=step_graphs
+#                      (each batch shape's whole step captured as one CUDA graph)
+#   graph_tests        pytest -m gpu of the whole-step graphs and the device-side CTC loss
 #   sweep              experiment=gpu_asr training for bf16, fp16, fp32 at once: test WER after
 #                      the same steps (sweep_<p>: one precision alone)
 #   bench_small        step benchmark of the default small recipe with fast_path=cuda_graphs
@@ -11,7 +14,8 @@
 # Each part runs under its own time limit inside one deadline; what a part finished is kept.
 # A lease is 15 minutes of device time, the machine's start (1-2 min) included, and a command
 # at most 10 minutes: the default DEADLINE fits one command, and the default PARTS puts first
-# what no lease has measured yet (the accuracy of bf16/fp16 against fp32 on a trained model).
+# what no lease has measured yet: whole-step CUDA graphs (the small recipe's 1.3x target),
+# then the accuracy of bf16/fp16 against fp32 on a trained model.
 # On the 2026-11-26 H200 (commit 792da4a): the sweep took 288 s (1500 steps; none of its
 # models learned at Conformer-M's former lr 1e-3, now 5e-4), bench_small ~65 s per precision
 # (its compile), bench_m's fp32 and TF32 rows ~117 s, gpu_tests 20 of 26 in 85 s.
@@ -50,6 +54,8 @@ M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of
 BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader rows
 BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
+BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-150}  # seconds for bench_graphs (not measured yet)
+GRAPH_TESTS_LIMIT=${GRAPH_TESTS_LIMIT:-90}     # seconds for graph_tests
 GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
@@ -58,7 +64,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"sweep bench_small bench_m gpu_tests bench_small_eager"}
+PARTS=${PARTS:-"bench_graphs graph_tests sweep bench_m gpu_tests bench_small"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -100,6 +106,12 @@ part_bench_small() {
     fast_path=cuda_graphs benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
     benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
 }
+part_bench_graphs() {
+  run_part bench_graphs "$BENCH_GRAPHS_LIMIT" python3 recipes/benchmark.py device="$DEVICE" \
+    fast_path=step_graphs benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
+    benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA \
+    hydra.run.dir="$WORK/bench_graphs"
+}
 part_bench_small_eager() {
   run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
     benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader] benchmark.tf32_baseline=false \
@@ -110,6 +122,11 @@ part_bench_small_eager() {
 part_gpu_tests() {
   run_part gpu_tests "$GPU_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider --no-header \
     $GPU_TEST_FILES
+}
+
+part_graph_tests() {
+  run_part graph_tests "$GRAPH_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider \
+    --no-header tests/test_step_graphs.py tests/test_ctc_on_device.py
 }
 
 # sweep: precision sweep of experiment=gpu_asr. The precisions train at the same time on the
@@ -156,9 +173,10 @@ part_sweep() {
 
 for part in $PARTS; do
   case $part in
-    bench_m | bench_small | bench_small_eager | gpu_tests | sweep) "part_$part" ;;
+    bench_m | bench_small | bench_small_eager | bench_graphs | gpu_tests | graph_tests | sweep)
+      "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+    *) echo "$part: unknown part (bench_graphs graph_tests bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
       | tee -a "$WORK/parts.txt" ;;
   esac
 done
@@ -172,11 +190,18 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
   --exclude='results_*.tgz' -C "$WORK" . 2>/dev/null
 {
   cat "$WORK/parts.txt"
-  for md in "$WORK"/bench_m/benchmark.md "$WORK"/sweep_gpu_asr/summary.md \
-    "$WORK"/bench_small/benchmark.md "$WORK"/bench_small_eager/benchmark.md; do
+  for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_m/benchmark.md \
+    "$WORK"/sweep_gpu_asr/summary.md "$WORK"/bench_small/benchmark.md \
+    "$WORK"/bench_small_eager/benchmark.md; do
     [ -f "$md" ] && { echo "== $md"; cat "$md"; }
   done
-  [ -f "$WORK/gpu_tests.log" ] && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$WORK/gpu_tests.log"
+  for log in "$WORK/graph_tests.log" "$WORK/gpu_tests.log"; do
+    [ -f "$log" ] && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$log"
+  done
+  for log in "$WORK/bench_graphs.log"; do  # why a step was not captured, if it was not
+    [ -f "$log" ] && grep -E "graph_step|Captured" "$log" | sed -E 's/^\[[^]]*\]//' \
+      | sed -E 's/batch shape \[.*\] as CUDA graph [0-9]+/a batch shape/' | sort | uniq -c | sort -rn | head -8
+  done
 } > "$OUT/summary_$(echo $PARTS | cut -c1-12 | tr ' ' '-').md"
 cat "$OUT"/summary_*.md | tail -60
 echo "done in $((SECONDS - START)) s"

@@ -68,6 +68,21 @@ class AudioBrain(Brain):
     def evaluate_batch(self, batch: AudioBatch, stage: Stage) -> torch.Tensor:
         return super().evaluate_batch(batch.to(self.device, non_blocking=True), stage)
 
+    def graph_input(self, batch: AudioBatch) -> AudioBatch:
+        """The batch without its host copy: a captured step reads device tensors only."""
+        return replace(batch, host=None)
+
+    def step_graph_blocker(self) -> str | None:
+        blocker = super().step_graph_blocker()
+        if blocker is None and "wave_augment" in self.modules:
+            speeds = unwrap_module(self.modules.wave_augment).speeds
+            if len(speeds) > 1:
+                return (
+                    f"speed perturbation (data.wave_augment.speeds={list(speeds)}) draws a speed "
+                    "per batch on the host and changes the batch's shape"
+                )
+        return blocker
+
     def batch_stats(self, batch: AudioBatch) -> tuple[int, float]:
         return len(batch), float(batch.durations.sum())
 
@@ -81,7 +96,10 @@ class AudioBrain(Brain):
         wavs, wav_lens = batch.wavs, batch.wav_lens
         if stage == Stage.TRAIN and "wave_augment" in self.modules:
             wave_augment = unwrap_module(self.modules.wave_augment)
-            wavs, wav_lens = self.modules.wave_augment(wavs, wav_lens)
+            # A captured step draws on the device (host draws would be frozen in the graph).
+            wavs, wav_lens = self.modules.wave_augment(
+                wavs, wav_lens, host_draws=not self.graph_safe_step
+            )
             if batch.host is not None:  # this step's copy of the batch: replace, not edit
                 host_lens = wave_augment.lengths_after(batch.host.wav_lens)
                 batch.host = replace(batch.host, wav_lens=host_lens)

@@ -132,13 +132,17 @@ class WaveAugment(torch.nn.Module):
         )
 
     def forward(
-        self, wavs: torch.Tensor, wav_lens: torch.Tensor
+        self, wavs: torch.Tensor, wav_lens: torch.Tensor, host_draws: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Perturbed ``(wavs, wav_lens)`` in training mode; the inputs in eval mode."""
+        """Perturbed ``(wavs, wav_lens)`` in training mode; the inputs in eval mode.
+
+        ``host_draws=False`` draws the end cuts on the device: a step captured as a CUDA
+        graph must not depend on host values (they would be frozen at the capture).
+        """
         if not self.training or not self.enabled:
             return wavs, wav_lens
         wavs, wav_lens = self.perturb_speed(wavs, wav_lens)
-        wavs, wav_lens = self.cut_ends(wavs, wav_lens)
+        wavs, wav_lens = self.cut_ends(wavs, wav_lens, host_draws)
         if self.channel_prob > 0 and self.channel_db > 0:
             wavs = self.random_channel(wavs, wav_lens)
         if self.noise_prob > 0:
@@ -160,23 +164,26 @@ class WaveAugment(torch.nn.Module):
         return out * valid, lens
 
     def cut_ends(
-        self, wavs: torch.Tensor, wav_lens: torch.Tensor
+        self, wavs: torch.Tensor, wav_lens: torch.Tensor, host_draws: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cut off the end of a random share ``cut_end_prob`` of the utterances.
 
         The shares kept are drawn on the host (in permille, so that the device and a host
         copy of the lengths compute the same new lengths in integer arithmetic, and no step
-        waits for the device); the cut samples become padding.
+        waits for the device), or with ``host_draws=False`` on the device (a captured step;
+        it has no host copy of the lengths); the cut samples become padding.
         """
         self._kept_permille = None
         if self.cut_end_prob <= 0:
             return wavs, wav_lens
         batch = wavs.shape[0]
-        cut = torch.rand(batch) < self.cut_end_prob
-        share = torch.floor(torch.rand(batch) * self.cut_end_max * 1000).to(torch.int64)
+        draw_on = torch.device("cpu") if host_draws else wavs.device
+        cut = torch.rand(batch, device=draw_on) < self.cut_end_prob
+        share = torch.rand(batch, device=draw_on) * self.cut_end_max * 1000
+        share = torch.floor(share).to(torch.int64)
         self._kept_permille = torch.where(cut, 1000 - share, torch.full_like(share, 1000))
         kept = self._kept_permille
-        if wavs.device.type == "cuda":
+        if host_draws and wavs.device.type == "cuda":
             kept = kept.pin_memory()
         lens = self._cut_lengths(wav_lens, kept.to(wavs.device, non_blocking=True))
         valid = torch.arange(wavs.shape[-1], device=wavs.device) < lens.unsqueeze(1)

@@ -10,17 +10,19 @@ optionally (e) ``speechbrain`` and ``lightning``: the peer toolkits' own loops o
 synthetic batches (``recipes.peers``; skipped when the toolkits are not installed).
 
 Warm-up steps are excluded; with fixed batch shapes (``data.pad_to_buckets``) every shape
-of an epoch is run twice before timing, so that compilation and CUDA-graph capture stay
-out of the numbers. On CUDA, per-step times come from CUDA events (the device timeline, no
-sync between steps) and the device is synchronised only around a measurement. Each row
-also has the model FLOPs per second (counted once per batch shape with
-``torch.utils.flop_counter``) and, on GPUs with known peak rates, the model FLOPs
-utilisation (MFU). With ``benchmark.profile_steps`` the ``torch.profiler`` summary of a few
-more steps is written per precision and mode, to show why a target is missed.
+of an epoch is run twice (``trainer.graph_step``: its warm-up steps plus two) before timing,
+so that compilation and CUDA-graph capture stay out of the numbers. On CUDA, per-step
+times come from CUDA events (the device timeline, no sync between steps) and the device
+is synchronised only around a measurement. Each row also has the model FLOPs per second
+(counted once per batch shape with ``torch.utils.flop_counter``) and, on GPUs with known
+peak rates, the model FLOPs utilisation (MFU). With ``benchmark.profile_steps`` the
+``torch.profiler`` summary of a few more steps is written per precision and mode, to show
+why a target is missed.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import islice
@@ -344,7 +346,12 @@ def run_benchmark(
                 step = brain_step_fn(brain)
                 if staged is None:
                     staged = staged_batches(loader, warmup + steps, brain.device)
-                    extra_warmup = shapes + shapes  # first sight compiles, second captures
+                    # Compile on first sight, capture on the second (trainer.graph_step:
+                    # after its eager warm-up steps), and replay once, before timing.
+                    rounds = 2 + (
+                        run_cfg.trainer.graph_step_warmup if run_cfg.trainer.graph_step else 0
+                    )
+                    extra_warmup = shapes * rounds
                 batches = cycle(staged) if mode == "staged" else loader_batches(loader)
             elif precision not in cfg.benchmark.peer_precisions or tf32:
                 continue
@@ -365,6 +372,7 @@ def run_benchmark(
         del brain, loader
         if on_progress is not None:
             on_progress(_ordered(rows))
+        gc.collect()  # the Brain's step graphs refer back to it: free them (and their pool)
         torch._dynamo.reset()  # frees compiled graphs and their CUDA-graph memory pools
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from amp_utils.compile import CUDAGRAPH_MODES
 from amp_utils.distributed import BACKENDS
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name
 from amp_utils.sweep_keys import sweep_job_name
@@ -263,6 +264,18 @@ def _check_augmentation(data_cfg: DictConfig) -> None:
             raise ConfigError(f"data.{group}: {err}") from None
 
 
+def _check_graph_step(trainer: DictConfig) -> None:
+    """``trainer.graph_step`` captures the step itself: torch.compile's own CUDA graphs
+    cannot run inside that capture."""
+    if trainer.graph_step and trainer.compile and trainer.compile_mode in CUDAGRAPH_MODES:
+        raise ConfigError(
+            f"trainer.graph_step=true captures the whole training step as a CUDA graph, and "
+            f"trainer.compile_mode={trainer.compile_mode} replays CUDA graphs of its own, which "
+            "cannot run inside that capture. Use trainer.compile_mode=default, "
+            "trainer.compile=false, or trainer.graph_step=false (fast_path=cuda_graphs)."
+        )
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Check what the schema's types cannot; raises ConfigError on the first bad value.
 
@@ -306,6 +319,8 @@ def validate_config(cfg: DictConfig) -> None:
         "trainer.debug_epochs",
         "trainer.grad_accumulation_factor",
         "trainer.log_interval_steps",
+        "trainer.graph_step_warmup",
+        "trainer.graph_step_max_shapes",
         "trainer.keep_checkpoints",
         "trainer.average_checkpoints",
         "data.sample_rate",
@@ -325,6 +340,7 @@ def validate_config(cfg: DictConfig) -> None:
     _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
     _choice(cfg, "trainer.compile_backend", COMPILE_BACKENDS)
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
+    _check_graph_step(cfg.trainer)
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")
     cache = cfg.device.onednn_cache_capacity

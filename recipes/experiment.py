@@ -366,6 +366,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             num_parameters=sum(p.numel() for p in brain.modules.model.parameters()),
             skipped_files=len(data.skipped_files),
             compile=compile_stats() if cfg.trainer.compile else None,
+            step_graphs=brain.step_graph_stats(),
             torch_version=torch.__version__,
         )
         ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store

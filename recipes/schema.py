@@ -247,6 +247,16 @@ class TrainerConfig:
     compile_backend: str = MISSING
     compile_regions: bool = MISSING
     compile_eval: bool = MISSING
+    graph_step: bool = field(
+        default=False,
+        metadata={"help": "capture each batch shape's whole training step as a CUDA graph"},
+    )
+    graph_step_warmup: int = field(
+        default=2, metadata={"help": "eager steps of each batch shape before its capture"}
+    )
+    graph_step_max_shapes: int = field(
+        default=64, metadata={"help": "batch shapes captured at most (later ones run eagerly)"}
+    )
     log_interval_steps: int = MISSING
     fused_optimizer: bool = MISSING
     num_text_examples: int = MISSING

@@ -38,6 +38,7 @@ RESULTS_KEYS = [
     "num_parameters",
     "skipped_files",
     "compile",
+    "step_graphs",
     "torch_version",
 ]
 

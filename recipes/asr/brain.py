@@ -8,6 +8,7 @@ import torchaudio
 from amp_utils import Stage
 from amp_utils.compile import unwrap_module
 from data.dataset import AudioBatch
+from recipes.asr.ctc_on_device import ctc_loss_on_device
 from recipes.asr.decoding import Decoder, make_decoder
 from recipes.asr.model import ctc_log_probs, ctc_loss
 from recipes.audio_brain import AudioBrain
@@ -33,8 +34,11 @@ class ASRBrain(AudioBrain):
     def compute_objectives(self, predictions, batch: AudioBatch, stage: Stage) -> torch.Tensor:
         logits, out_lens = predictions
         log_probs = ctc_log_probs(logits)  # fp32 under autocast
-        loss_lens, token_lens = self.ctc_lengths(batch, out_lens)
-        loss = ctc_loss(log_probs, loss_lens, batch.tokens, token_lens)
+        if self.graph_safe_step:  # a captured step: lengths stay on the device
+            loss = ctc_loss_on_device(log_probs, out_lens, batch.tokens, batch.token_lens)
+        else:
+            loss_lens, token_lens = self.ctc_lengths(batch, out_lens)
+            loss = ctc_loss(log_probs, loss_lens, batch.tokens, token_lens)
         if stage != Stage.TRAIN:
             self._score(log_probs, out_lens, batch)
         return loss

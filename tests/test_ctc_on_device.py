@@ -1,0 +1,110 @@
+"""The device-side CTC loss (whole-step CUDA graphs) against ``F.ctc_loss``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes.asr.ctc_on_device import alpha_step, alpha_step_for, ctc_loss_on_device
+
+
+def _case() -> dict[str, torch.Tensor]:
+    """Six utterances: full and short outputs, a repeated label, an empty target, an
+    impossible alignment (5 distinct labels in 3 frames) and an empty output."""
+    gen = torch.Generator().manual_seed(0)
+    batch, frames, vocab, max_tokens = 6, 30, 29, 7
+    tokens = torch.randint(1, vocab, (batch, max_tokens), generator=gen)
+    tokens[0, 1] = tokens[0, 0]  # "aa" needs a blank between the two
+    tokens[3, :5] = torch.tensor([1, 2, 3, 4, 5])
+    token_lens = torch.tensor([7, 5, 0, 5, 3, 2])
+    for i, n in enumerate(token_lens.tolist()):
+        tokens[i, n:] = 0
+    return {
+        "logits": torch.randn(batch, frames, vocab, generator=gen),
+        "out_lens": torch.tensor([30, 25, 10, 3, 12, 0]),
+        "tokens": tokens,
+        "token_lens": token_lens,
+    }
+
+
+def _loss_and_grad(loss_fn, case: dict[str, torch.Tensor]):
+    logits = case["logits"].clone().requires_grad_()
+    log_probs = logits.log_softmax(-1)
+    loss = loss_fn(log_probs, case["out_lens"], case["tokens"], case["token_lens"])
+    (grad,) = torch.autograd.grad(loss, logits)
+    return loss, grad
+
+
+def _reference(log_probs, out_lens, tokens, token_lens):
+    return F.ctc_loss(
+        log_probs.transpose(0, 1),
+        tokens,
+        out_lens,
+        token_lens,
+        reduction="mean",
+        zero_infinity=True,
+    )
+
+
+def test_loss_and_logit_gradients_equal_pytorchs_ctc_loss() -> None:
+    case = _case()
+    expected, expected_grad = _loss_and_grad(_reference, case)
+    loss, grad = _loss_and_grad(ctc_loss_on_device, case)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_each_utterance_equals_pytorchs_negative_log_likelihood() -> None:
+    case = _case()
+    log_probs = case["logits"].log_softmax(-1)
+    for i in range(len(case["out_lens"])):
+        one = {k: v[i : i + 1] for k, v in case.items() if k != "logits"}
+        expected = _reference(log_probs[i : i + 1], **one)
+        got = ctc_loss_on_device(log_probs[i : i + 1], **one)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_impossible_alignments_and_empty_outputs_add_zero_loss_and_zero_gradient() -> None:
+    """As ``zero_infinity``: no inf, no NaN, nothing for the utterances without a path."""
+    case = _case()
+    loss, grad = _loss_and_grad(ctc_loss_on_device, case)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert grad[3].abs().max() == 0 and grad[5].abs().max() == 0  # impossible, empty output
+    assert grad[0].abs().max() > 0
+
+
+def test_reduced_precision_inputs_are_computed_in_fp32() -> None:
+    case = _case()
+    log_probs = case["logits"].log_softmax(-1)
+    args = (case["out_lens"], case["tokens"], case["token_lens"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ctc_loss_on_device(log_probs.to(torch.bfloat16), *args)
+    expected = _reference(log_probs.to(torch.bfloat16).float(), *args)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_frames_after_an_utterances_end_do_not_count() -> None:
+    case = _case()
+    log_probs = case["logits"].log_softmax(-1)
+    args = (case["out_lens"], case["tokens"], case["token_lens"])
+    changed = log_probs.clone()
+    changed[1, 25:] = torch.randn(5, changed.shape[-1]).log_softmax(-1)  # out_lens[1] = 25
+    torch.testing.assert_close(
+        ctc_loss_on_device(changed, *args), ctc_loss_on_device(log_probs, *args)
+    )
+
+
+def test_the_per_frame_update_is_compiled_on_cuda_only() -> None:
+    assert alpha_step_for(torch.device("cpu")) is alpha_step
+
+
+@pytest.mark.gpu
+def test_the_compiled_update_on_cuda_equals_pytorchs_ctc_loss(cuda_device) -> None:
+    case = {k: v.to(cuda_device) for k, v in _case().items()}
+    expected, expected_grad = _loss_and_grad(_reference, case)
+    loss, grad = _loss_and_grad(ctc_loss_on_device, case)
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-3, atol=1e-5)

@@ -1,0 +1,399 @@
+"""Whole-step CUDA graphs (``trainer.graph_step``): the bookkeeping, the capturable
+optimizer, the graph-safe step of the ASR recipe (checked eagerly on the CPU against the
+usual step), the fallbacks, and on a GPU the capture itself."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from amp_utils.step_graphs import (
+    CapturableOptimizers,
+    CaptureFailed,
+    StepGraphs,
+    clone_tensors,
+    shape_key,
+    tensor_leaves,
+)
+from amp_utils.step_ledger import StepInfo
+from data.fsdd import prepare_fsdd_digits
+from recipes.augment import WaveAugment
+from recipes.config import ConfigError, validate_config
+from recipes.data_setup import build_data
+from recipes.experiment import build_brain
+from tests.recipe_helpers import FAST, compose_config, run_cli
+
+
+@dataclass
+class _Batch:
+    x: torch.Tensor
+    names: list[str]
+
+
+# ------------------------------------------------------------ bookkeeping
+
+
+def test_clone_tensors_copies_every_tensor_and_keeps_the_structure() -> None:
+    info = StepInfo(torch.tensor(1.0), torch.tensor(False))
+    value = (torch.ones(2), info, {"b": _Batch(torch.zeros(3), ["a"])}, None, 3)
+    cloned = clone_tensors(value)
+    assert isinstance(cloned[1], StepInfo) and isinstance(cloned[2]["b"], _Batch)
+    assert cloned[2]["b"].names == ["a"] and cloned[3] is None and cloned[4] == 3
+    for original, copy in zip(tensor_leaves(value), tensor_leaves(cloned), strict=True):
+        assert torch.equal(original, copy) and original.data_ptr() != copy.data_ptr()
+
+
+def test_shape_key_tells_batch_shapes_apart() -> None:
+    a = _Batch(torch.zeros(4, 100), ["x"] * 4)
+    assert shape_key(a) == shape_key(_Batch(torch.ones(4, 100), ["y"] * 4))
+    assert shape_key(a) != shape_key(_Batch(torch.zeros(4, 120), ["x"] * 4))
+    assert shape_key(a) != shape_key(_Batch(torch.zeros(4, 100, dtype=torch.float16), ["x"]))
+
+
+def test_without_capture_every_step_runs_the_body_eagerly() -> None:
+    seen = []
+
+    def body(batch):
+        seen.append(batch)
+        return batch.x.sum()
+
+    graphs = StepGraphs(body, clone_tensors, lambda s, b: None, capture=False)
+    for n in (3, 3, 5, 3):
+        assert graphs(_Batch(torch.ones(n), [])) == n
+    assert len(seen) == 4 and graphs.stats() == {"graphs": 0, "replays": 0, "eager_steps": 4}
+    with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
+        StepGraphs(body, clone_tensors, lambda s, b: None, warmup_steps=0, capture=False)
+
+
+class _FakeCuda:
+    """Stand-ins for the ``torch.cuda`` graph API, so that the bookkeeping of
+    :class:`StepGraphs` runs on a CPU: a "capture" runs the body with ``capturing`` set
+    (a real capture records instead of running), a "replay" is counted."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.capturing = False
+        self.replays = 0
+        fake = self
+
+        class Graph:
+            def replay(self) -> None:
+                fake.replays += 1
+
+        class Capture:
+            def __init__(self, graph, pool=None, capture_error_mode="global") -> None:
+                assert capture_error_mode == "thread_local"
+
+            def __enter__(self) -> None:
+                fake.capturing = True
+
+            def __exit__(self, *exc) -> None:
+                fake.capturing = False
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                pass
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", Capture)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+
+def test_each_shape_warms_up_then_is_captured_once_and_replayed(monkeypatch, caplog) -> None:
+    cuda = _FakeCuda(monkeypatch)
+    calls: list[tuple[int, bool]] = []
+    copies: list[int] = []
+
+    def body(batch):
+        calls.append((batch.x.shape[0], cuda.capturing))
+        return StepInfo(batch.x.sum(), torch.tensor(False))
+
+    def copy_into(static, batch):
+        copies.append(batch.x.shape[0])
+        static.x.copy_(batch.x)
+
+    graphs = StepGraphs(body, clone_tensors, copy_into, warmup_steps=2, max_shapes=1)
+    a = _Batch(torch.ones(3), [])
+    outputs = [graphs(a) for _ in range(5)]
+    # Two warm-up steps, then the capture (recorded and replayed once), then replays.
+    assert calls == [(3, False), (3, False), (3, True)]
+    assert cuda.replays == 3 and copies == [3, 3]
+    assert graphs.stats() == {"graphs": 1, "replays": 3, "eager_steps": 2}
+    static_outputs = graphs.graphs[shape_key(a)].outputs
+    assert all(o.grad_norm.data_ptr() != static_outputs.grad_norm.data_ptr() for o in outputs)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):  # a second shape: more than max_shapes allows
+            graphs(_Batch(torch.ones(5), []))
+    assert calls[3:] == [(5, False)] * 4 and len(graphs.graphs) == 1
+    assert caplog.text.count("graph_step_max_shapes") == 1
+
+
+def test_a_capture_error_is_reported_as_capture_failed(monkeypatch) -> None:
+    cuda = _FakeCuda(monkeypatch)
+
+    def body(batch):
+        if cuda.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return batch.x.sum()
+
+    graphs = StepGraphs(body, clone_tensors, lambda s, b: None, warmup_steps=1)
+    graphs(_Batch(torch.ones(2), []))
+    with pytest.raises(CaptureFailed, match="RuntimeError: operation not permitted"):
+        graphs(_Batch(torch.ones(2), []))
+    assert not graphs.graphs
+
+
+def test_capturable_optimizers_hold_lr_tensors_only_during_the_step() -> None:
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    capturable = CapturableOptimizers([opt], torch.device("cpu"))
+    opt.param_groups[0]["lr"] = 5e-4  # the scheduler moved it
+    capturable.refresh()
+    with capturable.during_step():
+        group = opt.param_groups[0]
+        assert isinstance(group["lr"], torch.Tensor) and group["capturable"]
+        assert group["lr"].item() == pytest.approx(5e-4)
+        params[0].grad = torch.ones(3)
+        opt.step()
+    assert opt.param_groups[0]["lr"] == 5e-4 and not opt.param_groups[0]["capturable"]
+    assert params[0].detach().lt(1.0).all()  # the step applied the tensor lr
+    with pytest.raises(RuntimeError), capturable.during_step():
+        raise RuntimeError("capture failed")
+    assert opt.param_groups[0]["lr"] == 5e-4  # restored after an error too
+
+
+def test_end_cuts_draw_on_the_batchs_device_for_a_captured_step() -> None:
+    aug = WaveAugment(8000, cut_end_prob=1.0).train()
+    wavs, lens = torch.zeros(4, 800, device="meta"), torch.full((4,), 800, device="meta")
+    aug(wavs, lens, host_draws=False)
+    assert aug._kept_permille.device.type == "meta"
+    aug(wavs, lens)
+    assert aug._kept_permille.device.type == "cpu"  # the host draws of the usual step
+
+
+# ------------------------------------------------------------ the recipe's step
+
+
+@pytest.fixture(scope="module")
+def prepared(fsdd_root: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared_step_graphs")
+    prepare_fsdd_digits(fsdd_root, out, download=False)
+    return out
+
+
+def _brain(fsdd_root, prepared, tmp_path, *extra: str):
+    cfg = compose_config(
+        [
+            *FAST,
+            f"data.root={fsdd_root}",
+            f"data.prepared_dir={prepared}",
+            f"output_dir={tmp_path}",
+            "fast_path=step_graphs",
+            *extra,
+        ]
+    )
+    torch.manual_seed(0)
+    data = build_data(cfg, torch.device("cpu"))
+    return build_brain(cfg, data, None, None), data
+
+
+def _train(brain, batches) -> list[float]:
+    torch.manual_seed(1)
+    losses = [float(brain.train_step(batch)) for batch in batches]
+    brain.flush_pending()
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_graph_safe_step_trains_as_the_usual_step(
+    fsdd_root, prepared, tmp_path, monkeypatch, precision
+):
+    """The step a graph records (device-side CTC lengths and end cuts, lr tensors, no
+    autocast cache), run eagerly on the CPU, trains as the usual step does: same losses,
+    same weights, same applied/skipped steps (fp16's first steps overflow), lr schedule."""
+    usual, data = _brain(fsdd_root, prepared, tmp_path / "a", f"precision={precision}")
+    graphed, _ = _brain(fsdd_root, prepared, tmp_path / "b", f"precision={precision}")
+    monkeypatch.setattr(graphed, "step_graph_blocker", lambda: None)
+    usual.on_fit_start()
+    graphed.on_fit_start()
+    assert usual.step_graph_stats() is None and graphed.step_graph_stats() is not None
+    batches = [batch for _, batch in zip(range(4), data.train, strict=False)]
+    assert _train(usual, batches) == pytest.approx(_train(graphed, batches), rel=1e-4)
+    assert graphed.step_graph_stats() == {"graphs": 0, "replays": 0, "eager_steps": 4}
+    assert (usual.optimizer_step, usual.skipped_steps) == (
+        graphed.optimizer_step,
+        graphed.skipped_steps,
+    )
+    lr = graphed.optimizer.param_groups[0]["lr"]
+    assert isinstance(lr, float) and lr == usual.optimizer.param_groups[0]["lr"]
+    # Adam moves a weight by ~lr whatever its gradient's size: weights whose gradient is
+    # ~0 may step either way on a rounding difference of the losses (a few in 10^4).
+    moved = sum(
+        int((a - b).abs().gt(2e-4).sum())
+        for a, b in zip(usual.modules.parameters(), graphed.modules.parameters(), strict=True)
+    )
+    assert moved < 1e-3 * sum(p.numel() for p in usual.modules.parameters())
+
+
+def test_a_failed_capture_logs_why_and_trains_the_batch_as_usual(
+    fsdd_root, prepared, tmp_path, monkeypatch, caplog
+):
+    """A capture that fails part-way (here after the fp16 unscale) leaves no half step
+    behind: the batch trains as usual, and so does every later one."""
+    brain, data = _brain(fsdd_root, prepared, tmp_path, "precision=fp16")
+    monkeypatch.setattr(brain, "step_graph_blocker", lambda: None)
+    brain.on_fit_start()
+    body = brain._step_graphs.body
+
+    def failing(batch):
+        original = brain.amp_step.step
+
+        def step_then_fail(optimizers):
+            optimizers = list(optimizers)
+            for opt in optimizers:
+                brain.scaler.unscale_(opt)
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        monkeypatch.setattr(brain.amp_step, "step", step_then_fail)
+        try:
+            body(batch)
+        except RuntimeError as err:
+            raise CaptureFailed(str(err)) from err
+        finally:
+            monkeypatch.setattr(brain.amp_step, "step", original)
+
+    brain._step_graphs.body = failing
+    monkeypatch.setattr(brain._step_graphs, "capture", True)
+    monkeypatch.setattr(brain._step_graphs, "_warm_up", failing)
+    batches = [batch for _, batch in zip(range(3), data.train, strict=False)]
+    with caplog.at_level(logging.WARNING):
+        losses = _train(brain, batches)
+    assert "could not be captured" in caplog.text and "not permitted" in caplog.text
+    assert brain.step_graph_stats() is None and len(losses) == 3
+    assert brain.optimizer_step + brain.skipped_steps == 3
+
+
+def test_graph_step_on_a_cpu_logs_why_and_trains_as_usual(fsdd_root, prepared, tmp_path, caplog):
+    brain, _ = _brain(fsdd_root, prepared, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        brain.on_fit_start()
+    assert "need a CUDA device (this run: cpu)" in caplog.text
+    assert brain.step_graph_stats() is None
+
+
+def test_speed_perturbation_blocks_whole_step_graphs(fsdd_root, prepared, tmp_path):
+    brain, _ = _brain(fsdd_root, prepared, tmp_path, "data.wave_augment.speeds=[0.9,1.0,1.1]")
+    assert "need a CUDA device" in brain.step_graph_blocker()
+    brain.init_optimizers()
+    brain.device = torch.device("cuda")  # what the recipe's own check says on a GPU
+    assert "speed perturbation" in brain.step_graph_blocker()
+
+
+def test_graph_step_with_compiled_cuda_graphs_is_a_config_error(fsdd_root) -> None:
+    cfg = compose_config(
+        [
+            *FAST,
+            "trainer.graph_step=true",
+            "trainer.compile=true",
+            "trainer.compile_mode=reduce-overhead",
+        ]
+    )
+    with pytest.raises(ConfigError, match="compile_mode=default"):
+        validate_config(cfg)
+
+
+def test_fast_path_step_graphs_composes() -> None:
+    cfg = compose_config(["fast_path=step_graphs"])
+    assert cfg.trainer.graph_step and cfg.data.pad_to_buckets and not cfg.trainer.compile
+    validate_config(cfg)
+
+
+# ------------------------------------------------------------ on a GPU
+
+
+def _no_noise(*extra: str) -> list[str]:
+    """Deterministic training (no augmentation, no dropout): graphed equals eager."""
+    return [
+        "data.spec_augment.enabled=false",
+        "model.cut_end_prob=0",
+        "model.channel_prob=0",
+        "model.dropout=0",
+        *extra,
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_captured_steps_train_as_eager_steps_on_cuda(
+    fsdd_root, prepared, tmp_path, precision, cuda_device
+):
+    """Two batch shapes, six steps each: captured after two warm-up steps and replayed,
+    with the losses of the usual eager step (TF32 off, no randomness)."""
+    extra = _no_noise("device=cuda", f"precision={precision}", "precision.allow_tf32=false")
+    eager, data = _brain(fsdd_root, prepared, tmp_path / "a", *extra, "trainer.graph_step=false")
+    graphed, _ = _brain(fsdd_root, prepared, tmp_path / "b", *extra)
+    eager.on_fit_start()
+    graphed.on_fit_start()
+    shapes: dict[tuple, object] = {}
+    for batch in data.train:
+        shapes.setdefault(tuple(batch.wavs.shape), batch)
+        if len(shapes) == 2:
+            break
+    batches = [b for b in shapes.values() for _ in range(6)]
+    expected, got = _train(eager, batches), _train(graphed, batches)
+    assert graphed.step_graph_stats() == {"graphs": 2, "replays": 8, "eager_steps": 4}
+    tol = 1e-3 if precision == "fp32" else 2e-2
+    assert got == pytest.approx(expected, rel=tol)
+    assert graphed.optimizer_step == eager.optimizer_step
+
+
+@pytest.mark.gpu
+def test_replayed_steps_never_wait_for_the_gpu(fsdd_root, prepared, tmp_path, cuda_device):
+    brain, data = _brain(fsdd_root, prepared, tmp_path, "device=cuda", "precision=bf16")
+    brain.on_fit_start()
+    batch = next(iter(data.train))
+    for _ in range(4):  # two warm-up steps, the capture, a replay
+        brain.train_step(batch)
+    brain.flush_pending()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            brain.train_step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    brain.flush_pending()
+    assert brain.step_graph_stats()["replays"] == 5
+
+
+@pytest.mark.gpu
+def test_fast_path_step_graphs_trains_the_asr_recipe_on_cuda(fsdd_root, prepared, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train.py",
+        [
+            *FAST,
+            "device=cuda",
+            "device.num_workers=2",
+            "fast_path=step_graphs",
+            "precision=bf16",
+            "trainer.debug_batches=12",
+            "trainer.graph_step_warmup=1",  # 24 batches over <= 10 shapes: some repeat
+            f"data.prepared_dir={prepared}",
+            f"hydra.run.dir={out}",
+        ],
+        fsdd_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["step_graphs"]["graphs"] >= 1 and results["step_graphs"]["replays"] >= 1
+    assert "could not be captured" not in result.stderr
+    assert all(v == v for v in results["test_metrics"].values())  # no NaN
