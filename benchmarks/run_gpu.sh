@@ -7,6 +7,8 @@
 #   sweep              experiment=gpu_asr training for bf16, fp16, fp32 at once: test WER after
 #                      the same steps (sweep_<p>: one precision alone)
 #   bench_small        step benchmark of the default small recipe with fast_path=cuda_graphs
+#   bench_m_graphs     bench_m's model and batches with fast_path=step_graphs: fp32, TF32, bf16,
+#                      fp16 x bare/brain/staged
 #   bench_m            step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
 #                      fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
 #   gpu_tests          pytest -m gpu
@@ -53,6 +55,7 @@ SWEEP_LIMIT=${SWEEP_LIMIT:-400}    # seconds for the sweep (each run, if not par
 M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of bench_m
 BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader rows
 BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
+BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-200}  # seconds for bench_m_graphs (not measured yet)
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
 BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-150}  # seconds for bench_graphs (not measured yet)
 GRAPH_TESTS_LIMIT=${GRAPH_TESTS_LIMIT:-90}     # seconds for graph_tests
@@ -64,7 +67,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"bench_graphs graph_tests sweep bench_m gpu_tests bench_small"}
+PARTS=${PARTS:-"bench_graphs graph_tests sweep bench_m_graphs bench_m gpu_tests bench_small"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -98,6 +101,14 @@ part_bench_m() {
     benchmark.warmup_steps=5 data.num_train="$BENCH_UTTS" data.num_buckets=4 \
     benchmark.modes="$M_MODES" device.num_workers="$BENCH_WORKERS" $M_EXTRA \
     hydra.run.dir="$WORK/bench_m"
+}
+
+part_bench_m_graphs() {
+  run_part bench_m_graphs "$BENCH_M_GRAPHS_LIMIT" python3 recipes/benchmark.py experiment=gpu_asr \
+    device="$DEVICE" fast_path=step_graphs benchmark.batch_size="$M_BATCH" \
+    benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" benchmark.warmup_steps=5 \
+    data.num_train="$BENCH_UTTS" data.num_buckets=4 benchmark.modes=[bare,brain,staged] \
+    device.num_workers="$BENCH_WORKERS" $M_EXTRA hydra.run.dir="$WORK/bench_m_graphs"
 }
 
 # bench_small / bench_small_eager: the default small recipe, with and without the fast path
@@ -173,10 +184,11 @@ part_sweep() {
 
 for part in $PARTS; do
   case $part in
-    bench_m | bench_small | bench_small_eager | bench_graphs | gpu_tests | graph_tests | sweep)
+    bench_m | bench_m_graphs | bench_small | bench_small_eager | bench_graphs | gpu_tests | \
+      graph_tests | sweep)
       "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (bench_graphs graph_tests bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+    *) echo "$part: unknown part (bench_graphs graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
       | tee -a "$WORK/parts.txt" ;;
   esac
 done
@@ -190,7 +202,8 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
   --exclude='results_*.tgz' -C "$WORK" . 2>/dev/null
 {
   cat "$WORK/parts.txt"
-  for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_m/benchmark.md \
+  for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_m_graphs/benchmark.md \
+    "$WORK"/bench_m/benchmark.md \
     "$WORK"/sweep_gpu_asr/summary.md "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do
     [ -f "$md" ] && { echo "== $md"; cat "$md"; }
@@ -198,7 +211,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
   for log in "$WORK/graph_tests.log" "$WORK/gpu_tests.log"; do
     [ -f "$log" ] && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$log"
   done
-  for log in "$WORK/bench_graphs.log"; do  # why a step was not captured, if it was not
+  for log in "$WORK/bench_graphs.log" "$WORK/bench_m_graphs.log"; do  # why not captured, if not
     [ -f "$log" ] && grep -E "graph_step|Captured" "$log" | sed -E 's/^\[[^]]*\]//' \
       | sed -E 's/batch shape \[.*\] as CUDA graph [0-9]+/a batch shape/' | sort | uniq -c | sort -rn | head -8
   done
