@@ -208,7 +208,8 @@ class CapturableOptimizers:
     A graph records each kernel's arguments: a learning rate passed as a Python number
     would be frozen at its value on the capture. Inside :meth:`during_step`, each
     parameter group's ``lr`` is a one-element device tensor (refreshed from the group's own
-    float before every step by :meth:`refresh`) and ``capturable`` is on; outside, the
+    float before every step by :meth:`refresh`) and, during a capture, ``capturable`` is on
+    (PyTorch refuses to capture a step without it); outside, the
     groups are as the recipe built them, so the LR scheduler, logs and checkpoints see
     plain floats (a checkpoint resumes with or without graphs).
     """
@@ -226,7 +227,8 @@ class CapturableOptimizers:
             lr.fill_(float(group["lr"]))
 
     def during_step(self) -> _SwapGroups:
-        """Context in which the groups hold the lr tensors and are capturable."""
+        """Context in which the groups hold the lr tensors (and, while a graph is being
+        captured, are capturable)."""
         return _SwapGroups(self.groups, self.lrs)
 
 
@@ -236,9 +238,12 @@ class _SwapGroups:
         self.saved: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> None:
+        # capturable only while capturing: PyTorch warns about capturable steps run eagerly
+        # (the warm-up steps), and fused kernels do not otherwise read the flag.
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         self.saved = [(g["lr"], g.get("capturable", False)) for g in self.groups]
         for group, lr in zip(self.groups, self.lrs, strict=True):
-            group["lr"], group["capturable"] = lr, True
+            group["lr"], group["capturable"] = lr, capturing or group.get("capturable", False)
 
     def __exit__(self, *exc: Any) -> None:
         for group, (lr, capturable) in zip(self.groups, self.saved, strict=True):

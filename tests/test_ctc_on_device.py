@@ -97,6 +97,25 @@ def test_frames_after_an_utterances_end_do_not_count() -> None:
     )
 
 
+def test_one_compile_of_the_update_serves_every_frame_and_shape() -> None:
+    """The compiled update (CUDA's) equals the eager one, and one compile serves every
+    frame (a view at another offset) and batch shape: no recompiles (CPU inductor here)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(alpha_step, dynamic=True)
+    case = _case()
+    for size in (6, 4):
+        one = {k: v[:size] for k, v in case.items()}
+        expected, expected_grad = _loss_and_grad(_reference, one)
+        loss, grad = _loss_and_grad(lambda *args: ctc_loss_on_device(*args, step=compiled), one)
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
+    assert sum(counters["recompiles"].values()) == 0
+    torch._dynamo.reset()
+
+
 def test_the_per_frame_update_is_compiled_on_cuda_only() -> None:
     assert alpha_step_for(torch.device("cpu")) is alpha_step
 

