@@ -157,10 +157,13 @@ def _pad(tensors: list[torch.Tensor], dtype: torch.dtype, length: int = 0) -> to
     return out
 
 
-def collate_audio(items: Sequence[dict[str, Any]], pad_samples: int = 0) -> AudioBatch:
+def collate_audio(
+    items: Sequence[dict[str, Any]], pad_samples: int = 0, token_multiple: int = 1
+) -> AudioBatch:
     """Pad a list of ``AudioDataset`` items into an ``AudioBatch``.
 
-    Waveforms are padded to the longest one, or to ``pad_samples`` if that is longer.
+    Waveforms are padded to the longest one, or to ``pad_samples`` if that is longer;
+    token sequences to the longest one rounded up to a multiple of ``token_multiple``.
     """
     wavs = [item["wav"] for item in items]
     tokens = [item["tokens"] for item in items]
@@ -168,7 +171,7 @@ def collate_audio(items: Sequence[dict[str, Any]], pad_samples: int = 0) -> Audi
         ids=[item["id"] for item in items],
         wavs=_pad(wavs, torch.float32, pad_samples),
         wav_lens=torch.tensor([w.numel() for w in wavs], dtype=torch.int64),
-        tokens=_pad(tokens, torch.int64),
+        tokens=_pad(tokens, torch.int64, round_up(max(t.numel() for t in tokens), token_multiple)),
         token_lens=torch.tensor([t.numel() for t in tokens], dtype=torch.int64),
         speakers=torch.tensor([item["speaker"] for item in items], dtype=torch.int64),
         transcripts=[item["transcript"] for item in items],
@@ -176,22 +179,42 @@ def collate_audio(items: Sequence[dict[str, Any]], pad_samples: int = 0) -> Audi
     )
 
 
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple`` (>= 1)."""
+    return -(-value // multiple) * multiple
+
+
+#: Token sequences of fixed-shape batches are padded to a multiple of this: a transcript's
+#: length varies within a bucket (connected digits: 1-7 words), and each padded length is
+#: another batch shape for CUDA graphs to capture. The CTC loss reads the true lengths.
+TOKEN_MULTIPLE = 16
+
+
 class PadToBuckets:
     """Collate that pads each batch's audio up to the next bucket edge (a fixed length).
 
     With ``DurationBatchSampler(pad_to_buckets=True)`` every batch of a bucket has the same
-    number of utterances; padding their audio to the bucket's edge gives the whole epoch a
-    small, fixed set of batch shapes: what ``torch.compile`` and CUDA graphs need to
-    compile and capture each shape once instead of at every step.
+    number of utterances; padding their audio to the bucket's edge (and their token
+    sequences to a multiple of ``token_multiple``) gives the whole epoch a small, fixed
+    set of batch shapes: what ``torch.compile`` and CUDA graphs need to compile and
+    capture each shape once instead of at every step.
 
     Args:
         edges_seconds: the buckets' padded lengths in seconds
             (``DurationBatchSampler.bucket_edges()``).
         sample_rate: samples per second of the loaded audio.
+        token_multiple: token sequences are padded to a multiple of this.
     """
 
-    def __init__(self, edges_seconds: Sequence[float], sample_rate: int) -> None:
+    def __init__(
+        self, edges_seconds: Sequence[float], sample_rate: int, token_multiple: int = TOKEN_MULTIPLE
+    ) -> None:
         self.edges = sorted({round(edge * sample_rate) for edge in edges_seconds})
+        self.token_multiple = token_multiple
+
+    def tokens_for(self, longest: int) -> int:
+        """The padded length of token sequences whose longest has ``longest`` tokens."""
+        return round_up(longest, self.token_multiple)
 
     def length_for(self, longest: int) -> int:
         """The smallest edge that holds ``longest`` samples (``longest`` past the last edge)."""
@@ -202,4 +225,4 @@ class PadToBuckets:
 
     def __call__(self, items: Sequence[dict[str, Any]]) -> AudioBatch:
         longest = max(item["wav"].numel() for item in items)
-        return collate_audio(items, pad_samples=self.length_for(longest))
+        return collate_audio(items, self.length_for(longest), self.token_multiple)

@@ -216,23 +216,31 @@ def shape_representatives(loader: Any, device: torch.device) -> list[AudioBatch]
 
     Only meaningful with fixed shapes (``pad_to_buckets``): running each twice before
     timing keeps compilation and CUDA-graph capture of every shape out of the numbers.
-    Reads the sampler's index lists and loads one batch per (size, padded length).
+    Reads the sampler's index lists and loads one batch per (size, padded length, padded
+    token length).
     """
     sampler = loader.batch_sampler
     sampler.set_epoch(0)
     dataset, collate = loader.dataset, loader.collate_fn
     length_for = getattr(collate, "length_for", None)
+    tokens_for = getattr(collate, "tokens_for", None)
     rate = getattr(dataset, "sample_rate", 1)
-    seen: dict[tuple[int, int], list[int]] = {}
+    seen: dict[tuple[int, int, int], list[int]] = {}
     for indices in sampler:
         longest = max(round(dataset.durations[i] * rate) for i in indices)
-        key = (len(indices), length_for(longest) if length_for else longest)
+        tokens = max(len(dataset.tokens[i]) for i in indices)
+        key = (
+            len(indices),
+            length_for(longest) if length_for else longest,
+            tokens_for(tokens) if tokens_for else tokens,
+        )
         seen.setdefault(key, list(indices))
     batches = {}
     for indices in seen.values():
         batch = collate([dataset[i] for i in indices])
         batches.setdefault(
-            tuple(batch.wavs.shape), replace(batch.to(device), durations=batch.durations)
+            (tuple(batch.wavs.shape), tuple(batch.tokens.shape)),
+            replace(batch.to(device), durations=batch.durations),
         )
     return list(batches.values())
 

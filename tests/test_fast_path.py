@@ -38,9 +38,10 @@ def digits_cfg(fsdd_root: Path, prepared: Path, *extra: str):
     )
 
 
-def epoch_shapes(loader) -> list[tuple[int, int]]:
+def epoch_shapes(loader) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(audio shape, token shape) of each batch of the first epoch."""
     loader.batch_sampler.set_epoch(0)
-    return [tuple(batch.wavs.shape) for batch in loader]
+    return [(tuple(batch.wavs.shape), tuple(batch.tokens.shape)) for batch in loader]
 
 
 # ------------------------------------------------------------ fixed batch shapes
@@ -90,6 +91,8 @@ def test_pad_to_buckets_collate_pads_to_the_next_edge():
     assert batch.wavs.shape == (2, 8000) and batch.wav_lens.tolist() == [4033, 10]
     assert collate([item(9000)]).wavs.shape == (1, 9000)  # past the last edge: its own length
     assert collate_audio([item(100), item(4000)]).wavs.shape == (2, 4000)  # the default
+    assert batch.tokens.shape == (2, 16) and batch.token_lens.tolist() == [2, 2]
+    assert collate_audio([item(100)]).tokens.shape == (1, 2)  # the default: the longest
 
 
 def test_an_epoch_of_real_batches_has_a_bounded_set_of_shapes(fsdd_root, prepared):
@@ -100,12 +103,40 @@ def test_an_epoch_of_real_batches_has_a_bounded_set_of_shapes(fsdd_root, prepare
     for split in ("train", "valid", "test"):
         shapes = epoch_shapes(getattr(data_on, split))
         assert len(set(shapes)) <= 2 * on.data.num_buckets, split
-        assert all(size * samples / 8000 <= 30.0 + 0.1 for size, samples in shapes)
+        assert all(size * samples / 8000 <= 30.0 + 0.1 for (size, samples), _ in shapes)
+        assert all(tokens[1] % 16 == 0 for _, tokens in shapes)  # padded to a multiple
     shapes_off = set(epoch_shapes(data_off.train))
     assert len(shapes_off) > 4 * on.data.num_buckets  # what the fast path avoids
     # The benchmark warms up one batch per shape: together they cover the whole epoch.
     representatives = shape_representatives(data_on.train, torch.device("cpu"))
-    assert {tuple(b.wavs.shape) for b in representatives} == set(epoch_shapes(data_on.train))
+    assert {(tuple(b.wavs.shape), tuple(b.tokens.shape)) for b in representatives} == set(
+        epoch_shapes(data_on.train)
+    )
+
+
+def test_connected_digits_token_lengths_add_few_shapes(fsdd_root, tmp_path):
+    """Transcripts of 2-7 digits have 7-41 characters: padded to multiples of 16, the
+    token dimension adds at most three shapes per audio shape (a captured step per shape)."""
+    cfg = compose_config(
+        [
+            *FAST,
+            "data=fsdd_connected",
+            "data.pad_to_buckets=true",
+            "data.num_train=400",
+            f"data.root={fsdd_root}",
+            f"data.prepared_dir={tmp_path}",
+        ]
+    )
+    data = build_data(cfg, torch.device("cpu"))
+    shapes = epoch_shapes(data.train)
+    lengths = {tokens[1] for _, tokens in shapes}
+    assert lengths <= {16, 32, 48} and len(lengths) >= 2
+    assert len(set(shapes)) <= 2 * cfg.data.num_buckets * len(lengths)
+    longest = {
+        max(len(data.train.dataset.tokens[i]) for i in indices)
+        for indices in data.train.batch_sampler
+    }
+    assert len(longest) > len(lengths)  # what the padding saves
 
 
 # ------------------------------------------------------------ CTC lengths on the host
