@@ -376,7 +376,11 @@ def run_benchmark(
             brain.flush_pending()
             if mode in ("bare", "brain"):  # synthetic batches
                 stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
-            rows.append(_row(mode, precision, tf32, stats, flops, batch, brain.device))
+            row = _row(mode, precision, tf32, stats, flops, batch, brain.device)
+            if mode != "bare" and run_cfg.trainer.graph_step:
+                # So far in this precision (the modes share one Brain); None: not in use.
+                row["step_graphs"] = brain.step_graph_stats()
+            rows.append(row)
         del brain, loader
         if on_progress is not None:
             on_progress(_ordered(rows))
@@ -385,6 +389,23 @@ def run_benchmark(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return _ordered(rows)
+
+
+def step_graph_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per row timed with ``trainer.graph_step``: whether its steps replayed graphs."""
+    notes = []
+    for row in rows:
+        if "step_graphs" not in row:
+            continue
+        stats = row["step_graphs"]
+        what = (
+            f"{stats['graphs']} graphs captured, {stats['replays']} replays, "
+            f"{stats['eager_steps']} eager steps so far"
+            if stats
+            else "not in use (the log says why)"
+        )
+        notes.append(f"{row['mode']} {row['precision']}: whole-step CUDA graphs {what}")
+    return notes
 
 
 def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from recipes.benchmarking import PEER_MODES, summarize
+from recipes.benchmarking import PEER_MODES, step_graph_notes, summarize
 from tests.recipe_helpers import run_cli
 
 
@@ -56,6 +56,22 @@ def test_summary_ratios():
     assert cells[6][10:13] == ["2.06", "—", "0.98"]
     assert cells[7][10:15] == ["—", "—", "—", "—", "2.00"]  # ours (brain bf16) / SpeechBrain
     assert cells[8][8:10] == ["12.3", "1.2 %"] and cells[0][8:10] == ["—", "—"]
+
+
+def test_step_graph_notes_say_whether_rows_replayed_graphs():
+    rows = [
+        {"mode": "bare", "precision": "bf16"},
+        {"mode": "brain", "precision": "bf16", "step_graphs": None},
+        {
+            "mode": "staged",
+            "precision": "bf16",
+            "step_graphs": {"graphs": 9, "replays": 70, "eager_steps": 22},
+        },
+    ]
+    assert step_graph_notes(rows) == [
+        "brain bf16: whole-step CUDA graphs not in use (the log says why)",
+        "staged bf16: whole-step CUDA graphs 9 graphs captured, 70 replays, 22 eager steps so far",
+    ]
 
 
 def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
