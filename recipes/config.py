@@ -264,9 +264,16 @@ def _check_augmentation(data_cfg: DictConfig) -> None:
             raise ConfigError(f"data.{group}: {err}") from None
 
 
-def _check_graph_step(trainer: DictConfig) -> None:
-    """``trainer.graph_step`` captures the step itself: torch.compile's own CUDA graphs
-    cannot run inside that capture."""
+def _check_graph_step(cfg: DictConfig) -> None:
+    """``trainer.graph_step`` captures the step of each batch shape: the shapes must be few
+    (``data.pad_to_buckets``), and torch.compile's own CUDA graphs cannot run inside it."""
+    trainer = cfg.trainer
+    if trainer.graph_step and not cfg.data.pad_to_buckets:
+        raise ConfigError(
+            "trainer.graph_step=true captures one CUDA graph per batch shape, and without "
+            "data.pad_to_buckets=true nearly every batch has a shape of its own. Use "
+            "fast_path=step_graphs (both on), or add data.pad_to_buckets=true."
+        )
     if trainer.graph_step and trainer.compile and trainer.compile_mode in CUDAGRAPH_MODES:
         raise ConfigError(
             f"trainer.graph_step=true captures the whole training step as a CUDA graph, and "
@@ -340,7 +347,7 @@ def validate_config(cfg: DictConfig) -> None:
     _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
     _choice(cfg, "trainer.compile_backend", COMPILE_BACKENDS)
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
-    _check_graph_step(cfg.trainer)
+    _check_graph_step(cfg)
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")
     cache = cfg.device.onednn_cache_capacity

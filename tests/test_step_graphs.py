@@ -307,12 +307,18 @@ def test_graph_step_with_compiled_cuda_graphs_is_a_config_error(fsdd_root) -> No
     cfg = compose_config(
         [
             *FAST,
-            "trainer.graph_step=true",
+            "fast_path=step_graphs",
             "trainer.compile=true",
             "trainer.compile_mode=reduce-overhead",
         ]
     )
     with pytest.raises(ConfigError, match="compile_mode=default"):
+        validate_config(cfg)
+
+
+def test_graph_step_without_fixed_batch_shapes_is_a_config_error() -> None:
+    cfg = compose_config([*FAST, "trainer.graph_step=true"])
+    with pytest.raises(ConfigError, match="data.pad_to_buckets=true"):
         validate_config(cfg)
 
 
@@ -365,7 +371,7 @@ def test_captured_steps_train_as_eager_steps_on_cuda(
 def test_replayed_steps_never_wait_for_the_gpu(fsdd_root, prepared, tmp_path, cuda_device):
     brain, data = _brain(fsdd_root, prepared, tmp_path, "device=cuda", "precision=bf16")
     brain.on_fit_start()
-    batch = next(iter(data.train))
+    batch = next(iter(data.train)).to(cuda_device)  # no host copy in the timed steps
     for _ in range(4):  # two warm-up steps, the capture, a replay
         brain.train_step(batch)
     brain.flush_pending()
