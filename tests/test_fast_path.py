@@ -142,6 +142,37 @@ def test_connected_digits_token_lengths_add_few_shapes(fsdd_root, tmp_path):
 # ------------------------------------------------------------ CTC lengths on the host
 
 
+def test_a_batch_crosses_processes_with_only_its_audio_in_shared_memory():
+    """A worker's batch reaches the main process through ``ForkingPickler``; each tensor
+    shared costs the main thread a file descriptor and a socket round trip, so only the
+    audio is shared: lengths, tokens, speakers and durations travel inside the pickle."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 (registers the tensor reductions)
+
+    items = [
+        {
+            "id": str(n),
+            "wav": torch.randn(n),
+            "tokens": torch.tensor([1, 2, 3]),
+            "speaker": 1,
+            "transcript": "abc",
+            "duration": n / 8000,
+        }
+        for n in (16000, 4000)  # 128 kB of audio: more than SMALL_TENSOR_BYTES
+    ]
+    batch = collate_audio(items)
+    copy = ForkingPickler.loads(ForkingPickler.dumps(batch))
+    assert batch.wavs.is_shared() and not batch.wav_lens.is_shared()
+    assert not any(t.is_shared() for t in (batch.tokens, batch.speakers, batch.durations))
+    for name in ("wavs", "wav_lens", "tokens", "token_lens", "speakers", "durations"):
+        assert torch.equal(getattr(copy, name), getattr(batch, name)), name
+        assert getattr(copy, name).dtype == getattr(batch, name).dtype
+    assert copy.ids == batch.ids and copy.transcripts == batch.transcripts
+    copy.wav_lens += 1  # writable, its own memory
+    assert not torch.equal(copy.wav_lens, batch.wav_lens)
+
+
 def test_batch_moved_to_a_device_keeps_its_host_copy():
     batch = collate_audio(
         [
