@@ -23,10 +23,11 @@ from amp_utils.step_graphs import (
 )
 from amp_utils.step_ledger import StepInfo
 from data.fsdd import prepare_fsdd_digits
+from recipes.audio_brain import AudioBrain
 from recipes.augment import WaveAugment
 from recipes.config import ConfigError, validate_config
 from recipes.data_setup import build_data
-from recipes.experiment import build_brain
+from recipes.experiment import build_brain, train
 from tests.recipe_helpers import FAST, compose_config, run_cli
 
 
@@ -247,6 +248,37 @@ def test_graph_safe_step_trains_as_the_usual_step(
         for a, b in zip(usual.modules.parameters(), graphed.modules.parameters(), strict=True)
     )
     assert moved < 1e-3 * sum(p.numel() for p in usual.modules.parameters())
+
+
+def test_a_whole_run_through_the_graph_safe_step_ends_as_the_usual_run(
+    fsdd_root, prepared, tmp_path, monkeypatch
+):
+    """Two epochs, validation and checkpoints between them, the LR schedule across them,
+    the test: with every training step taken by the graph-safe step (run eagerly on the
+    CPU, as a GPU runs a shape's warm-up steps), the run ends where the usual one does."""
+
+    def run(name: str, graphed: bool) -> dict:
+        cfg = compose_config(
+            [
+                *FAST,
+                f"data.root={fsdd_root}",
+                f"data.prepared_dir={prepared}",
+                f"output_dir={tmp_path / name}",
+                "data.pad_to_buckets=true",
+                f"trainer.graph_step={str(graphed).lower()}",
+                "trainer.debug_batches=3",
+            ]
+        )
+        if graphed:  # the CPU's blocker lifted: StepGraphs runs every step eagerly here
+            monkeypatch.setattr(AudioBrain, "step_graph_blocker", lambda self: None)
+        return train(cfg)
+
+    usual, graphed = run("usual", False), run("graphed", True)
+    assert usual["step_graphs"] is None
+    assert graphed["step_graphs"] == {"graphs": 0, "replays": 0, "eager_steps": 6}
+    assert graphed["optimizer_steps"] == usual["optimizer_steps"] == 6
+    assert graphed["test_metrics"] == pytest.approx(usual["test_metrics"], rel=1e-3)
+    assert graphed["valid_metrics"] == pytest.approx(usual["valid_metrics"], rel=1e-3)
 
 
 def test_a_failed_capture_logs_why_and_trains_the_batch_as_usual(
