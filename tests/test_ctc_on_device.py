@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.asr.ctc_on_device import alpha_step, alpha_step_for, ctc_loss_on_device
+from recipes.asr.ctc_on_device import (
+    alpha_step,
+    alpha_step_for,
+    compiled_or_eager,
+    ctc_loss_on_device,
+)
 
 
 def _case() -> dict[str, torch.Tensor]:
@@ -118,6 +123,19 @@ def test_one_compile_of_the_update_serves_every_frame_and_shape() -> None:
 
 def test_the_per_frame_update_is_compiled_on_cuda_only() -> None:
     assert alpha_step_for(torch.device("cpu")) is alpha_step
+
+
+def test_an_update_that_does_not_compile_runs_eagerly_with_a_warning(monkeypatch, caplog):
+    def broken(fn, **options):
+        def run(*args):
+            raise RuntimeError("triton: no such compiler")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING"):
+        assert compiled_or_eager(torch.device("cpu")) is alpha_step
+    assert "could not be compiled (RuntimeError: triton: no such compiler)" in caplog.text
 
 
 @pytest.mark.gpu

@@ -58,8 +58,32 @@ def alpha_step_for(device: torch.device) -> AlphaStep:
     if device.type != "cuda":
         return alpha_step
     if "cuda" not in _compiled_steps:
-        _compiled_steps["cuda"] = torch.compile(alpha_step, dynamic=True)
+        _compiled_steps["cuda"] = compiled_or_eager(device)
     return _compiled_steps["cuda"]
+
+
+def compiled_or_eager(device: torch.device) -> AlphaStep:
+    """:func:`alpha_step` compiled (dynamic shapes), tried forward and backward on a tiny
+    input first; if compiling fails, the eager function, with a warning.
+
+    Compiling here, before any step, keeps a compiler failure out of a training step
+    (whose backward would otherwise compile lazily) and out of a CUDA-graph capture.
+    """
+    compiled = torch.compile(alpha_step, dynamic=True)
+    try:
+        alpha = torch.zeros(2, 5, device=device, requires_grad=True)
+        penalty = torch.zeros(2, 5, device=device)
+        active = torch.ones(2, dtype=torch.bool, device=device)
+        compiled(alpha, penalty, penalty, active).sum().backward()
+    except Exception as err:  # noqa: BLE001 -- any compiler failure: run eagerly
+        logger.warning(
+            "The CTC loss's per-frame update could not be compiled (%s: %s); it runs "
+            "eagerly (a dozen small kernels a frame instead of a few fused ones).",
+            type(err).__name__,
+            err,
+        )
+        return alpha_step
+    return compiled
 
 
 @fwd_default_precision
