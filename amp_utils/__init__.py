@@ -17,6 +17,7 @@ from amp_utils.precision import (
     resolve_device,
 )
 from amp_utils.run_options import RunOptions
+from amp_utils.step_graphs import StepGraphs
 
 __all__ = [
     "PRECISIONS",
@@ -33,6 +34,7 @@ __all__ = [
     "PrecisionNotSupportedError",
     "RunOptions",
     "Stage",
+    "StepGraphs",
     "TorchAutocast",
     "TrainingInterrupted",
     "ddp_barrier",
