@@ -7,8 +7,12 @@
 #   sweep              experiment=gpu_asr training for bf16, fp16, fp32 at once: test WER after
 #                      the same steps (sweep_<p>: one precision alone)
 #   bench_small        step benchmark of the default small recipe with fast_path=cuda_graphs
-#   bench_m_graphs     bench_m's model and batches with fast_path=step_graphs: fp32, TF32, bf16,
-#                      fp16 x bare/brain/staged
+#   bench_graphs_compiled  bench_graphs with the encoder blocks compiled (inductor's fused
+#                      kernels inside the captured step): fp32, bf16
+#   bench_m_graphs     bench_m's model and batches with fast_path=step_graphs and the blocks
+#                      compiled (on the H100, LayerNorm and casts were most of an eager bf16
+#                      Conformer-M step, and inductor fuses them): fp32, TF32, bf16 x
+#                      bare/brain/staged
 #   bench_m            step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
 #                      fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
 #   gpu_tests          pytest -m gpu
@@ -20,7 +24,8 @@
 # then the accuracy of bf16/fp16 against fp32 on a trained model.
 # Next lease (~900 s with the start): command 1 the defaults (bench_graphs, graph_tests and
 # the sweep fit DEADLINE 560; the rest is reported skipped), command 2 with what is left:
-#   PARTS="bench_m_graphs bench_m" DEADLINE=<left - 60> bash benchmarks/gpu_lease.sh
+#   PARTS="bench_m_graphs bench_graphs_compiled bench_m" DEADLINE=<left - 60> \
+#     bash benchmarks/gpu_lease.sh
 # On the 2026-11-26 H200 (commit 792da4a): the sweep took 288 s (1500 steps; none of its
 # models learned at Conformer-M's former lr 1e-3, now 5e-4), bench_small ~65 s per precision
 # (its compile), bench_m's fp32 and TF32 rows ~117 s, gpu_tests 20 of 26 in 85 s.
@@ -70,7 +75,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"bench_graphs graph_tests sweep bench_m_graphs bench_m gpu_tests bench_small"}
+PARTS=${PARTS:-"bench_graphs graph_tests sweep bench_m_graphs bench_graphs_compiled bench_m gpu_tests bench_small"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -106,9 +111,11 @@ part_bench_m() {
     hydra.run.dir="$WORK/bench_m"
 }
 
+COMPILED_GRAPHS="trainer.compile=true trainer.compile_regions=true trainer.compile_mode=default"
 part_bench_m_graphs() {
   run_part bench_m_graphs "$BENCH_M_GRAPHS_LIMIT" python3 recipes/benchmark.py experiment=gpu_asr \
-    device="$DEVICE" fast_path=step_graphs benchmark.batch_size="$M_BATCH" \
+    device="$DEVICE" fast_path=step_graphs $COMPILED_GRAPHS benchmark.precisions=[fp32,bf16] \
+    benchmark.batch_size="$M_BATCH" \
     benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" benchmark.warmup_steps=5 \
     data.num_train="$BENCH_UTTS" data.num_buckets=4 benchmark.modes=[bare,brain,staged] \
     device.num_workers="$BENCH_WORKERS" $M_EXTRA hydra.run.dir="$WORK/bench_m_graphs"
@@ -125,6 +132,12 @@ part_bench_graphs() {
     fast_path=step_graphs benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
     benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA \
     hydra.run.dir="$WORK/bench_graphs"
+}
+part_bench_graphs_compiled() {
+  run_part bench_graphs_compiled "$BENCH_GRAPHS_LIMIT" python3 recipes/benchmark.py \
+    device="$DEVICE" fast_path=step_graphs $COMPILED_GRAPHS benchmark.precisions=[fp32,bf16] \
+    benchmark.modes="$SMALL_MODES" benchmark.tf32_baseline=false benchmark.steps=30 \
+    benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_graphs_compiled"
 }
 part_bench_small_eager() {
   run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
@@ -188,10 +201,10 @@ part_sweep() {
 for part in $PARTS; do
   case $part in
     bench_m | bench_m_graphs | bench_small | bench_small_eager | bench_graphs | gpu_tests | \
-      graph_tests | sweep)
+      bench_graphs_compiled | graph_tests | sweep)
       "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (bench_graphs graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+    *) echo "$part: unknown part (bench_graphs bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
       | tee -a "$WORK/parts.txt" ;;
   esac
 done
@@ -205,7 +218,8 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
   --exclude='results_*.tgz' -C "$WORK" . 2>/dev/null
 {
   cat "$WORK/parts.txt"
-  for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_m_graphs/benchmark.md \
+  for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_graphs_compiled/benchmark.md \
+    "$WORK"/bench_m_graphs/benchmark.md \
     "$WORK"/bench_m/benchmark.md \
     "$WORK"/sweep_gpu_asr/summary.md "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do
@@ -214,7 +228,8 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
   for log in "$WORK/graph_tests.log" "$WORK/gpu_tests.log"; do
     [ -f "$log" ] && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$log"
   done
-  for log in "$WORK/bench_graphs.log" "$WORK/bench_m_graphs.log"; do  # why not captured, if not
+  for log in "$WORK"/bench_graphs.log "$WORK"/bench_graphs_compiled.log \
+    "$WORK"/bench_m_graphs.log; do  # why not captured, if not
     [ -f "$log" ] && grep -E "graph_step|Captured" "$log" | sed -E 's/^\[[^]]*\]//' \
       | sed -E 's/batch shape \[.*\] as CUDA graph [0-9]+/a batch shape/' | sort | uniq -c | sort -rn | head -8
   done
