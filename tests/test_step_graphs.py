@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from amp_utils import TrainingInterrupted
 from amp_utils.step_graphs import (
     CapturableOptimizers,
     CaptureFailed,
@@ -279,6 +281,47 @@ def test_a_whole_run_through_the_graph_safe_step_ends_as_the_usual_run(
     assert graphed["optimizer_steps"] == usual["optimizer_steps"] == 6
     assert graphed["test_metrics"] == pytest.approx(usual["test_metrics"], rel=1e-3)
     assert graphed["valid_metrics"] == pytest.approx(usual["valid_metrics"], rel=1e-3)
+
+
+def test_an_interrupted_run_through_the_graph_safe_step_resumes_exactly(
+    fsdd_root, prepared, tmp_path, monkeypatch
+):
+    """SIGTERM in the middle of the first epoch (a checkpoint, then exit), the same call
+    again (resume): the run ends exactly where an uninterrupted one does -- the lr tensors,
+    device-side draws and ledger carry nothing a checkpoint misses."""
+    monkeypatch.setattr(AudioBrain, "step_graph_blocker", lambda self: None)
+    original = AudioBrain.on_fit_batch_end
+    interrupted = []
+
+    def stop_once(self, batch, outputs, loss, should_step):
+        original(self, batch, outputs, loss, should_step)
+        if self.step == 2 and not interrupted and self.run_opts.graph_step:
+            interrupted.append(self.step)
+            self.stop_signals.received = signal.SIGTERM  # as the handler records it
+
+    def run(name: str, stop: bool) -> dict:
+        cfg = compose_config(
+            [
+                *FAST,
+                f"data.root={fsdd_root}",
+                f"data.prepared_dir={prepared}",
+                f"output_dir={tmp_path / name}",
+                "fast_path=step_graphs",
+                "trainer.debug_batches=4",
+            ]
+        )
+        if stop:
+            monkeypatch.setattr(AudioBrain, "on_fit_batch_end", stop_once)
+            with pytest.raises(TrainingInterrupted):
+                train(cfg)
+            monkeypatch.setattr(AudioBrain, "on_fit_batch_end", original)
+        return train(cfg)
+
+    resumed, uninterrupted = run("resumed", stop=True), run("uninterrupted", stop=False)
+    assert interrupted == [2] and resumed["sessions"] == 2
+    assert resumed["optimizer_steps"] == uninterrupted["optimizer_steps"] == 8
+    assert resumed["test_metrics"] == uninterrupted["test_metrics"]  # exactly
+    assert resumed["valid_metrics"] == uninterrupted["valid_metrics"]
 
 
 def test_a_failed_capture_logs_why_and_trains_the_batch_as_usual(
