@@ -406,25 +406,42 @@ def test_fast_path_step_graphs_composes() -> None:
 # ------------------------------------------------------------ on a GPU
 
 
-def _no_noise(*extra: str) -> list[str]:
+def _no_noise(model: str, *extra: str) -> list[str]:
     """Deterministic training (no augmentation, no dropout): graphed equals eager."""
+    asr = ["model.cut_end_prob=0", "model.channel_prob=0"] if model == "conformer_ctc" else []
     return [
+        f"model={model}",
         "data.spec_augment.enabled=false",
-        "model.cut_end_prob=0",
-        "model.channel_prob=0",
+        *asr,
         "model.dropout=0",
         *extra,
     ]
 
 
+def test_the_deterministic_gpu_configs_compose() -> None:
+    """The GPU tests' overrides compose (checked here, where there is no GPU to find out)."""
+    for model in ("conformer_ctc", "xvector"):
+        cfg = compose_config([*FAST, "fast_path=step_graphs", *_no_noise(model, "device=cuda")])
+        validate_config(cfg)
+        assert cfg.model.dropout == 0 and not cfg.data.spec_augment.enabled
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("model", "precision"),
+    [
+        ("conformer_ctc", "fp32"),
+        ("conformer_ctc", "bf16"),
+        ("conformer_ctc", "fp16"),
+        ("xvector", "fp32"),
+    ],
+)
 def test_captured_steps_train_as_eager_steps_on_cuda(
-    fsdd_root, prepared, tmp_path, precision, cuda_device
+    fsdd_root, prepared, tmp_path, model, precision, cuda_device
 ):
     """Two batch shapes, six steps each: captured after two warm-up steps and replayed,
     with the losses of the usual eager step (TF32 off, no randomness)."""
-    extra = _no_noise("device=cuda", f"precision={precision}", "precision.allow_tf32=false")
+    extra = _no_noise(model, "device=cuda", f"precision={precision}", "precision.allow_tf32=false")
     eager, data = _brain(fsdd_root, prepared, tmp_path / "a", *extra, "trainer.graph_step=false")
     graphed, _ = _brain(fsdd_root, prepared, tmp_path / "b", *extra)
     eager.on_fit_start()
