@@ -59,7 +59,7 @@ from amp_utils.interruption import (
     TrainingInterrupted,
     interrupted_error,
 )
-from amp_utils.loaders import make_loader, seeded_generator, start_epoch
+from amp_utils.loaders import make_loader, seeded_generator, start_epoch, timed_batches
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import (
     AUTO,
@@ -85,6 +85,14 @@ from amp_utils.step_graphs import (
 from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
 
 logger = logging.getLogger(__name__)
+
+#: Training totals of a run (all sessions): seconds training, utterances and seconds of
+#: audio trained on, and seconds the loop waited for the loader's next batch.
+TRAIN_STATS: dict[str, float] = {"time_s": 0.0, "utterances": 0, "audio_s": 0.0, "data_wait_s": 0.0}
+#: An epoch that waits for data this share of its time or more, and at least
+#: ``DATA_WAIT_MIN_S`` seconds (not a debug run's blink), gets a warning (once a run).
+DATA_WAIT_WARNING = 0.2
+DATA_WAIT_MIN_S = 1.0
 
 __all__ = ["Brain", "NonFiniteLossError", "Stage", "TrainingInterrupted"]
 
@@ -193,7 +201,7 @@ class Brain:
         self.optimizers_dict: dict[str, torch.optim.Optimizer] = {}
         self.lr_scheduler: Any = None
         self.step = 0  # batches done in the current stage
-        self.train_stats = {"time_s": 0.0, "utterances": 0, "audio_s": 0.0}
+        self.train_stats = dict(TRAIN_STATS)
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._epoch_start = time.perf_counter()
         self._epoch_counter: Any = None
@@ -206,6 +214,7 @@ class Brain:
         #: True while a step that may be captured as a CUDA graph runs (``graph_step``):
         #: recipes then compute from device tensors only (no host syncs, no host values).
         self.graph_safe_step = False
+        self._warned_data_wait = False
         self._step_graphs: StepGraphs | None = None
         self._capturable: CapturableOptimizers | None = None
 
@@ -685,9 +694,15 @@ class Brain:
         batches, total = start_epoch(train_set, epoch, skip)
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
+        epoch_wait = [0.0]
+
+        def waited(seconds: float) -> None:
+            epoch_wait[0] += seconds
+            self.train_stats["data_wait_s"] += seconds
+
         # The bar counts the whole epoch and starts at the resume position.
         with tqdm(
-            batches,
+            timed_batches(batches, waited),
             initial=skip,
             total=total,
             dynamic_ncols=True,
@@ -710,10 +725,36 @@ class Brain:
         self.flush_pending()
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.train_stats["time_s"] += time.perf_counter() - self._epoch_start
+        epoch_time = time.perf_counter() - self._epoch_start
+        self.train_stats["time_s"] += epoch_time
+        self._report_data_wait(epoch, epoch_wait[0], epoch_time, train_set)
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
+
+    def _report_data_wait(
+        self, epoch: int, wait_s: float, epoch_s: float, train_set: DataLoader
+    ) -> None:
+        """The share of the epoch spent waiting for batches: TensorBoard's
+        ``epoch/data_wait_share``, and a warning the first time it reaches 20 % (and 1 s)."""
+        share = wait_s / epoch_s if epoch_s > 0 else 0.0
+        if self.tensorboard is not None:
+            self.tensorboard.log_scalars(
+                {"epoch/data_wait_share": share}, step=self.ledger.steps_taken
+            )
+        if share >= DATA_WAIT_WARNING and wait_s >= DATA_WAIT_MIN_S and not self._warned_data_wait:
+            self._warned_data_wait = True
+            workers = getattr(train_set, "num_workers", None)
+            logger.warning(
+                "epoch %s: training waited for the next batch %.0f %% of the time (%.1f of "
+                "%.1f s): the data loader, not the model, sets the speed here. More loader "
+                "processes (device.num_workers, now %s) would help.",
+                self.epoch_label(epoch),
+                100 * share,
+                wait_s,
+                epoch_s,
+                workers,
+            )
 
     def _fit_valid(self, valid_set: DataLoader | None, epoch: int, enable: bool) -> None:
         if valid_set is None:
@@ -872,6 +913,7 @@ class Brain:
         """This rank's training stats from a checkpoint; under another world size, rank 0
         carries the totals (``global_train_stats`` sums utterances and audio over ranks)."""
         saved = state.get("rank_train_stats") or [state.get("train_stats", self.train_stats)]
+        saved = [{**TRAIN_STATS, **s} for s in saved]  # checkpoints from before a stat: 0
         if len(saved) == self.distributed.world_size:
             return dict(saved[self.distributed.rank])
         mine = self.distributed.rank == 0
@@ -879,20 +921,22 @@ class Brain:
             "time_s": max(float(s["time_s"]) for s in saved),
             "utterances": sum(s["utterances"] for s in saved) if mine else 0,
             "audio_s": sum(float(s["audio_s"]) for s in saved) if mine else 0.0,
+            "data_wait_s": max(float(s["data_wait_s"]) for s in saved),
         }
 
     def global_train_stats(self) -> dict[str, float]:
-        """Training time, utterances and audio seconds of all ranks together.
+        """Training time, utterances, audio seconds and data wait of all ranks together.
 
-        Utterances and audio add up over the ranks; the time is the slowest rank's.
+        Utterances and audio add up over the ranks; the times are the slowest rank's.
         """
         if self.distributed.world_size == 1:
             return dict(self.train_stats)
         totals = all_reduce_counts(
             {"utterances": self.train_stats["utterances"], "audio_s": self.train_stats["audio_s"]}
         )
-        slowest = all_reduce_max(torch.tensor([self.train_stats["time_s"]], dtype=torch.float64))
-        return {**totals, "time_s": float(slowest[0])}
+        times = [self.train_stats["time_s"], self.train_stats["data_wait_s"]]
+        slowest = all_reduce_max(torch.tensor(times, dtype=torch.float64))
+        return {**totals, "time_s": float(slowest[0]), "data_wait_s": float(slowest[1])}
 
     def peak_memory_mb(self) -> float:
         """Peak memory of the run so far (GPU allocations on CUDA, process RSS on CPU)."""

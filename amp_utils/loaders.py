@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -74,3 +75,20 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0) -> EpochBatches:
         for _ in range(skip):
             next(batches)
     return EpochBatches(batches, total)
+
+
+def timed_batches(batches: Iterable[Any], on_wait: Callable[[float], None]) -> Iterator[Any]:
+    """``batches``, reporting to ``on_wait`` the seconds each one took to arrive.
+
+    The time the loop spends blocked on the loader (worker start-up included): when it is a
+    large share of an epoch, the data pipeline, not the model, sets the training speed.
+    """
+    iterator = iter(batches)
+    while True:
+        start = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        on_wait(time.perf_counter() - start)
+        yield batch

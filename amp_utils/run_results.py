@@ -41,6 +41,8 @@ class Throughput:
     train_utterances_per_s: float | None = None
     train_audio_seconds_per_s: float | None = None
     train_time_s: float | None = None
+    # share of the training time spent waiting for the data loader's next batch
+    data_wait_share: float | None = None
 
 
 @dataclass

@@ -354,6 +354,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
                 train_utterances_per_s=stats["utterances"] / train_time_s,
                 train_audio_seconds_per_s=stats["audio_s"] / train_time_s,
                 train_time_s=stats["time_s"],
+                data_wait_share=stats["data_wait_s"] / train_time_s,
             ),
             peak_memory_mb=clock.peak_memory_mb(),
             peak_memory_kind="cuda_max_reserved" if brain.device.type == "cuda" else "process_rss",

@@ -114,6 +114,44 @@ def test_throughput_counts_training_time_only():
     assert train_sleep <= brain.train_stats["time_s"] <= wall - valid_sleep
 
 
+class _SlowData(TensorDataset):
+    """``make_data()`` whose batches of 8 take ``delay`` seconds each to load."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(*make_data().tensors)
+        self.delay = delay
+
+    def __getitem__(self, index):
+        import time
+
+        time.sleep(self.delay / 8)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize(("delay", "warned"), [(0.3, True), (0.0, False)])
+def test_an_epoch_waiting_for_its_loader_is_measured_and_warned_about(delay, warned, caplog):
+    """Time blocked on the loader is counted (``train_stats["data_wait_s"]``); the first
+    epoch that waits a fifth of its time or more (and a second) says so, once, naming the
+    workers; a quick loader's short waits say nothing."""
+    brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    with caplog.at_level("WARNING"):
+        brain.fit(range(2), DataLoader(_SlowData(delay), batch_size=8))
+    wait, total = brain.train_stats["data_wait_s"], brain.train_stats["time_s"]
+    assert 2 * 4 * delay <= wait <= total
+    assert caplog.text.count("waited for the next batch") == int(warned)
+    if warned:
+        assert "device.num_workers, now 0" in caplog.text and wait / total > 0.5
+
+
+def test_train_stats_of_a_checkpoint_from_before_the_data_wait_load_with_zero():
+    brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    state = brain.state_dict()
+    del state["train_stats"]["data_wait_s"]
+    state["train_stats"]["utterances"] = 7
+    brain.load_state_dict(state)
+    assert brain.train_stats["data_wait_s"] == 0.0 and brain.train_stats["utterances"] == 7
+
+
 def test_hparams_have_dot_access_and_unknown_run_option_fails():
     brain = RegressionBrain({"model": make_model()}, hparams={"lr": 0.1}, run_opts=run_opts())
     assert brain.hparams.lr == 0.1
@@ -694,7 +732,8 @@ def test_scheduler_and_logger_are_arguments_and_hparams_keys_still_work(passed_a
     )
     brain.fit(range(1), DataLoader(make_data(16), batch_size=4))
     assert brain.optimizer_step == 4 and brain.lr_scheduler.last_epoch == 4
-    assert [step for step, _ in tensorboard.scalars] == [1, 2, 3, 4]
+    assert [step for step, s in tensorboard.scalars if "train/loss" in s] == [1, 2, 3, 4]
+    assert tensorboard.scalars[-1] == (4, {"epoch/data_wait_share": pytest.approx(0, abs=0.5)})
     first = tensorboard.scalars[0][1]
     assert first["train/lr"] == 0.05 * 0.5 and "train/grad_norm" in first
 

@@ -28,3 +28,18 @@ def test_mid_epoch_resume_yields_the_rest_and_counts_the_whole_epoch(sampler_ski
     # A bar with initial=5 must end at 12 of 12: the skipped batches are counted once.
     assert total == 12
     assert 5 + len(rest) == total
+
+
+def test_timed_batches_reports_how_long_each_batch_took_to_arrive():
+    import time
+
+    from amp_utils.loaders import timed_batches
+
+    def slow():
+        for i in range(3):
+            time.sleep(0.02 * i)
+            yield i
+
+    waits: list[float] = []
+    assert list(timed_batches(slow(), waits.append)) == [0, 1, 2]
+    assert len(waits) == 3 and waits[0] < 0.015 and waits[1] >= 0.02 and waits[2] >= 0.04

@@ -97,6 +97,7 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
         assert 0 <= saved["test_metrics"][key] < 1e4
     assert saved["throughput"]["train_utterances_per_s"] > 0
     assert saved["throughput"]["train_audio_seconds_per_s"] > 0
+    assert 0 <= saved["throughput"]["data_wait_share"] < 1  # share of training time
     assert saved["peak_memory_mb"] > 0 and saved["wall_time_s"] > 0
     assert saved["optimizer_steps"] == 4
     assert "torch" in (run / "env.txt").read_text()
