@@ -192,17 +192,22 @@ def prepared(fsdd_root: Path, tmp_path_factory) -> Path:
     return out
 
 
-def _brain(fsdd_root, prepared, tmp_path, *extra: str):
-    cfg = compose_config(
+def _config(fsdd_root, prepared, out, *extra: str):
+    """The fast test config with ``fast_path=step_graphs``, writing into ``out``."""
+    return compose_config(
         [
             *FAST,
             f"data.root={fsdd_root}",
             f"data.prepared_dir={prepared}",
-            f"output_dir={tmp_path}",
+            f"output_dir={out}",
             "fast_path=step_graphs",
             *extra,
         ]
     )
+
+
+def _brain(fsdd_root, prepared, tmp_path, *extra: str):
+    cfg = _config(fsdd_root, prepared, tmp_path, *extra)
     torch.manual_seed(0)
     data = build_data(cfg, torch.device("cpu"))
     return build_brain(cfg, data, None, None), data
@@ -260,17 +265,8 @@ def test_a_whole_run_through_the_graph_safe_step_ends_as_the_usual_run(
     CPU, as a GPU runs a shape's warm-up steps), the run ends where the usual one does."""
 
     def run(name: str, graphed: bool) -> dict:
-        cfg = compose_config(
-            [
-                *FAST,
-                f"data.root={fsdd_root}",
-                f"data.prepared_dir={prepared}",
-                f"output_dir={tmp_path / name}",
-                "data.pad_to_buckets=true",
-                f"trainer.graph_step={str(graphed).lower()}",
-                "trainer.debug_batches=3",
-            ]
-        )
+        graph_step = f"trainer.graph_step={str(graphed).lower()}"
+        cfg = _config(fsdd_root, prepared, tmp_path / name, graph_step, "trainer.debug_batches=3")
         if graphed:  # the CPU's blocker lifted: StepGraphs runs every step eagerly here
             monkeypatch.setattr(AudioBrain, "step_graph_blocker", lambda self: None)
         return train(cfg)
@@ -300,16 +296,7 @@ def test_an_interrupted_run_through_the_graph_safe_step_resumes_exactly(
             self.stop_signals.received = signal.SIGTERM  # as the handler records it
 
     def run(name: str, stop: bool) -> dict:
-        cfg = compose_config(
-            [
-                *FAST,
-                f"data.root={fsdd_root}",
-                f"data.prepared_dir={prepared}",
-                f"output_dir={tmp_path / name}",
-                "fast_path=step_graphs",
-                "trainer.debug_batches=4",
-            ]
-        )
+        cfg = _config(fsdd_root, prepared, tmp_path / name, "trainer.debug_batches=4")
         if stop:
             monkeypatch.setattr(AudioBrain, "on_fit_batch_end", stop_once)
             with pytest.raises(TrainingInterrupted):
