@@ -2,7 +2,8 @@
 # Everything measured on a GPU, in parts that run in the order PARTS lists them (default:
 # the order below):
 #   bench_graphs       step benchmark of the default small recipe with fast_path=step_graphs
-#                      (each batch shape's whole step captured as one CUDA graph)
+#                      (each batch shape's whole step captured as one CUDA graph), with a
+#                      torch.profiler summary of 3 more steps per row (why a target is missed)
 #   graph_tests        pytest -m gpu of the whole-step graphs and the device-side CTC loss
 #   sweep              experiment=gpu_asr training for bf16, fp16, fp32 at once: test WER after
 #                      the same steps (sweep_<p>: one precision alone)
@@ -118,7 +119,8 @@ part_bench_m_graphs() {
     benchmark.batch_size="$M_BATCH" \
     benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" benchmark.warmup_steps=5 \
     data.num_train="$BENCH_UTTS" data.num_buckets=4 benchmark.modes=[bare,brain,staged] \
-    device.num_workers="$BENCH_WORKERS" $M_EXTRA hydra.run.dir="$WORK/bench_m_graphs"
+    benchmark.profile_steps=3 device.num_workers="$BENCH_WORKERS" $M_EXTRA \
+    hydra.run.dir="$WORK/bench_m_graphs"
 }
 
 # bench_small / bench_small_eager: the default small recipe, with and without the fast path
@@ -130,8 +132,8 @@ part_bench_small() {
 part_bench_graphs() {
   run_part bench_graphs "$BENCH_GRAPHS_LIMIT" python3 recipes/benchmark.py device="$DEVICE" \
     fast_path=step_graphs benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
-    benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA \
-    hydra.run.dir="$WORK/bench_graphs"
+    benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 \
+    benchmark.profile_steps=3 $SMALL_EXTRA hydra.run.dir="$WORK/bench_graphs"
 }
 part_bench_graphs_compiled() {
   run_part bench_graphs_compiled "$BENCH_GRAPHS_LIMIT" python3 recipes/benchmark.py \
