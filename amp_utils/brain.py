@@ -435,10 +435,7 @@ class Brain:
                 return graphed_loss
         self.mark_step()
         with self.no_sync(not should_step):
-            with TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype):
-                outputs = self.compute_forward(batch, Stage.TRAIN)
-                loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
-            self.amp_step.backward(loss, self.run_opts.grad_accumulation_factor)
+            outputs, loss = self._forward_backward(batch)
         # Under DDP: the mean over the ranks, so all of them log, count and skip alike.
         global_loss = self._mean_over_ranks(loss.detach())
         self.amp_step.observe_loss(global_loss)
@@ -446,6 +443,21 @@ class Brain:
         self.ledger.record(self.step, global_loss, step_info, self.amp_step.loss_scale())
         self.on_fit_batch_end(batch, outputs, loss, should_step)
         return loss.detach()
+
+    def _forward_backward(
+        self, batch: Any, autocast_cache: bool | None = None
+    ) -> tuple[Any, torch.Tensor]:
+        """Autocast forward and objectives, then the scaled backward: (outputs, loss).
+
+        ``autocast_cache`` (None: torch's default) passes to ``torch.autocast``.
+        """
+        with TorchAutocast(
+            device_type=self.device_type, dtype=self.amp.dtype, cache_enabled=autocast_cache
+        ):
+            outputs = self.compute_forward(batch, Stage.TRAIN)
+            loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
+        self.amp_step.backward(loss, self.run_opts.grad_accumulation_factor)
+        return outputs, loss
 
     # ------------------------------------------------- whole-step CUDA graphs
     def step_graph_blocker(self) -> str | None:
@@ -515,13 +527,7 @@ class Brain:
         self.graph_safe_step = True
         try:
             # No autocast weight cache: its casts would be made once, at the capture.
-            autocast = TorchAutocast(
-                device_type=self.device_type, dtype=self.amp.dtype, cache_enabled=False
-            )
-            with autocast:
-                outputs = self.compute_forward(batch, Stage.TRAIN)
-                loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
-            self.amp_step.backward(loss)
+            outputs, loss = self._forward_backward(batch, autocast_cache=False)
             loss = loss.detach()
             self.amp_step.observe_loss(loss)
             with self._capturable.during_step():
@@ -545,7 +551,6 @@ class Brain:
                 err,
             )
             self._step_graphs = None
-            self.graph_safe_step = False
             self.amp_step.reset()
             self.zero_grad(set_to_none=True)
             return None
@@ -694,10 +699,9 @@ class Brain:
         batches, total = start_epoch(train_set, epoch, skip)
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
-        epoch_wait = [0.0]
+        wait_before = self.train_stats["data_wait_s"]
 
         def waited(seconds: float) -> None:
-            epoch_wait[0] += seconds
             self.train_stats["data_wait_s"] += seconds
 
         # The bar counts the whole epoch and starts at the resume position.
@@ -727,7 +731,8 @@ class Brain:
             torch.cuda.synchronize(self.device)
         epoch_time = time.perf_counter() - self._epoch_start
         self.train_stats["time_s"] += epoch_time
-        self._report_data_wait(epoch, epoch_wait[0], epoch_time, train_set)
+        epoch_wait = self.train_stats["data_wait_s"] - wait_before
+        self._report_data_wait(epoch, epoch_wait, epoch_time, train_set)
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0

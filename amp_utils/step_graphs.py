@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,25 +227,18 @@ class CapturableOptimizers:
         for group, lr in zip(self.groups, self.lrs, strict=True):
             lr.fill_(float(group["lr"]))
 
-    def during_step(self) -> _SwapGroups:
+    @contextmanager
+    def during_step(self) -> Iterator[None]:
         """Context in which the groups hold the lr tensors (and, while a graph is being
-        captured, are capturable)."""
-        return _SwapGroups(self.groups, self.lrs)
-
-
-class _SwapGroups:
-    def __init__(self, groups: list[dict[str, Any]], lrs: list[torch.Tensor]) -> None:
-        self.groups, self.lrs = groups, lrs
-        self.saved: list[tuple[Any, Any]] = []
-
-    def __enter__(self) -> None:
+        captured, are capturable); the groups' own values come back afterwards."""
         # capturable only while capturing: PyTorch warns about capturable steps run eagerly
         # (the warm-up steps), and fused kernels do not otherwise read the flag.
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        self.saved = [(g["lr"], g.get("capturable", False)) for g in self.groups]
+        saved = [(group["lr"], group.get("capturable", False)) for group in self.groups]
         for group, lr in zip(self.groups, self.lrs, strict=True):
             group["lr"], group["capturable"] = lr, capturing or group.get("capturable", False)
-
-    def __exit__(self, *exc: Any) -> None:
-        for group, (lr, capturable) in zip(self.groups, self.saved, strict=True):
-            group["lr"], group["capturable"] = lr, capturable
+        try:
+            yield
+        finally:
+            for group, (lr, capturable) in zip(self.groups, saved, strict=True):
+                group["lr"], group["capturable"] = lr, capturable

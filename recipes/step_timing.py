@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from amp_utils.loaders import timed_batches
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from data.dataset import AudioBatch
 
@@ -55,11 +56,10 @@ def time_steps(
     shapes: list[tuple[int, ...]] = []
     utterances, audio_s = 0, 0.0
     waits: list[float] = []
+    timed = timed_batches(batches, waits.append)
     start = time.perf_counter()
     for _ in range(steps):
-        asked = time.perf_counter()
-        batch = next(batches)
-        waits.append(time.perf_counter() - asked)
+        batch = next(timed)
         count, seconds, shape = size(batch)
         utterances, audio_s = utterances + count, audio_s + seconds
         shapes.append(shape)
