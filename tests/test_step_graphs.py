@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_utils import TrainingInterrupted
+from amp_utils import Brain, TrainingInterrupted
 from amp_utils.step_graphs import (
     CapturableOptimizers,
     CaptureFailed,
@@ -166,11 +166,39 @@ def test_capturable_optimizers_hold_lr_tensors_only_during_the_step() -> None:
         assert group["lr"].item() == pytest.approx(5e-4)
         params[0].grad = torch.ones(3)
         opt.step()
-    assert opt.param_groups[0]["lr"] == 5e-4 and not opt.param_groups[0]["capturable"]
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, float) and lr == 5e-4 and not opt.param_groups[0]["capturable"]
     assert params[0].detach().lt(1.0).all()  # the step applied the tensor lr
     with pytest.raises(RuntimeError), capturable.during_step():
         raise RuntimeError("capture failed")
     assert opt.param_groups[0]["lr"] == 5e-4  # restored after an error too
+    assert isinstance(opt.param_groups[0]["lr"], float)
+
+
+@pytest.mark.parametrize("graph_step", [False, True])
+def test_the_graph_safe_step_runs_autocast_without_its_weight_cache(monkeypatch, graph_step):
+    """A capture would freeze the autocast cache's casts of the weights: the graph-safe
+    step turns the cache off; the usual step keeps torch's default (on)."""
+    seen = []
+
+    class Probe(Brain):
+        def compute_forward(self, batch, stage):
+            seen.append(torch.is_autocast_cache_enabled())
+            return self.modules.model(batch[0])
+
+        def compute_objectives(self, outputs, batch, stage):
+            return outputs.float().pow(2).mean()
+
+    brain = Probe(
+        {"model": torch.nn.Linear(4, 2)},
+        opt_class=lambda params: torch.optim.AdamW(params, 1e-3, fused=True),
+        run_opts={"device": "cpu", "precision": "bf16", "graph_step": graph_step},
+    )
+    monkeypatch.setattr(brain, "step_graph_blocker", lambda: None)
+    brain.on_fit_start()
+    brain.train_step((torch.randn(3, 4),))
+    brain.flush_pending()
+    assert seen == [not graph_step] and brain.optimizer_step == 1
 
 
 def test_end_cuts_draw_on_the_batchs_device_for_a_captured_step() -> None:
