@@ -103,48 +103,50 @@ run_part() {
   python3 -c "import torch; print('torch', torch.__version__)"
 } > "$WORK/machine.txt"
 
-# bench_m: the Conformer-M step benchmark (speed, memory, peers)
-part_bench_m() {
-  run_part bench_m "$BENCH_M_LIMIT" python3 recipes/benchmark.py experiment=gpu_asr device="$DEVICE" \
+# bench_m_run NAME LIMIT OVERRIDES...: a step benchmark of experiment=gpu_asr (Conformer-M) on
+# its synthetic and real batches; M_EXTRA comes last
+bench_m_run() {
+  local name=$1 limit=$2
+  shift 2
+  run_part "$name" "$limit" python3 recipes/benchmark.py experiment=gpu_asr device="$DEVICE" \
     benchmark.batch_size="$M_BATCH" benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" \
     benchmark.warmup_steps=5 data.num_train="$BENCH_UTTS" data.num_buckets=4 \
-    benchmark.modes="$M_MODES" device.num_workers="$BENCH_WORKERS" $M_EXTRA \
-    hydra.run.dir="$WORK/bench_m"
+    device.num_workers="$BENCH_WORKERS" "$@" $M_EXTRA hydra.run.dir="$WORK/$name"
 }
-
+# bench_small_run NAME LIMIT OVERRIDES...: a step benchmark of the default small recipe (no TF32
+# baseline, 30 timed steps); SMALL_EXTRA comes last
+bench_small_run() {
+  local name=$1 limit=$2
+  shift 2
+  run_part "$name" "$limit" python3 recipes/benchmark.py device="$DEVICE" \
+    benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 "$@" $SMALL_EXTRA \
+    hydra.run.dir="$WORK/$name"
+}
 COMPILED_GRAPHS="trainer.compile=true trainer.compile_regions=true trainer.compile_mode=default"
+
+# bench_m: speed, memory, peers; bench_m_graphs: with whole-step graphs and compiled blocks
+part_bench_m() { bench_m_run bench_m "$BENCH_M_LIMIT" benchmark.modes="$M_MODES"; }
 part_bench_m_graphs() {
-  run_part bench_m_graphs "$BENCH_M_GRAPHS_LIMIT" python3 recipes/benchmark.py experiment=gpu_asr \
-    device="$DEVICE" fast_path=step_graphs $COMPILED_GRAPHS benchmark.precisions=[fp32,bf16] \
-    benchmark.batch_size="$M_BATCH" \
-    benchmark.utterance_seconds=4 benchmark.steps="$BENCH_STEPS" benchmark.warmup_steps=5 \
-    data.num_train="$BENCH_UTTS" data.num_buckets=4 benchmark.modes=[bare,brain,staged] \
-    benchmark.profile_steps=3 device.num_workers="$BENCH_WORKERS" $M_EXTRA \
-    hydra.run.dir="$WORK/bench_m_graphs"
+  bench_m_run bench_m_graphs "$BENCH_M_GRAPHS_LIMIT" fast_path=step_graphs $COMPILED_GRAPHS \
+    benchmark.precisions=[fp32,bf16] benchmark.modes=[bare,brain,staged] benchmark.profile_steps=3
 }
 
-# bench_small / bench_small_eager: the default small recipe, with and without the fast path
+# the default small recipe: with the compiled fast path, with whole-step graphs (eager or
+# compiled blocks inside), and without any fast path
 part_bench_small() {
-  run_part bench_small "$BENCH_SMALL_LIMIT" python3 recipes/benchmark.py device="$DEVICE" \
-    fast_path=cuda_graphs benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
-    benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small"
+  bench_small_run bench_small "$BENCH_SMALL_LIMIT" fast_path=cuda_graphs \
+    benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES"
 }
 part_bench_graphs() {
-  run_part bench_graphs "$BENCH_GRAPHS_LIMIT" python3 recipes/benchmark.py device="$DEVICE" \
-    fast_path=step_graphs benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" \
-    benchmark.tf32_baseline=false benchmark.steps=30 benchmark.warmup_steps=5 \
-    benchmark.profile_steps=3 $SMALL_EXTRA hydra.run.dir="$WORK/bench_graphs"
+  bench_small_run bench_graphs "$BENCH_GRAPHS_LIMIT" fast_path=step_graphs \
+    benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" benchmark.profile_steps=3
 }
 part_bench_graphs_compiled() {
-  run_part bench_graphs_compiled "$BENCH_GRAPHS_LIMIT" python3 recipes/benchmark.py \
-    device="$DEVICE" fast_path=step_graphs $COMPILED_GRAPHS benchmark.precisions=[fp32,bf16] \
-    benchmark.modes="$SMALL_MODES" benchmark.tf32_baseline=false benchmark.steps=30 \
-    benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_graphs_compiled"
+  bench_small_run bench_graphs_compiled "$BENCH_GRAPHS_LIMIT" fast_path=step_graphs $COMPILED_GRAPHS \
+    benchmark.precisions=[fp32,bf16] benchmark.modes="$SMALL_MODES"
 }
 part_bench_small_eager() {
-  run_part bench_small_eager 35 python3 recipes/benchmark.py device="$DEVICE" \
-    benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader] benchmark.tf32_baseline=false \
-    benchmark.steps=30 benchmark.warmup_steps=5 $SMALL_EXTRA hydra.run.dir="$WORK/bench_small_eager"
+  bench_small_run bench_small_eager 35 benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader]
 }
 
 # gpu_tests: pytest -m gpu, with what time is left
