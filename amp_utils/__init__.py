@@ -16,6 +16,7 @@ from amp_utils.precision import (
     PrecisionNotSupportedError,
     resolve_device,
 )
+from amp_utils.host_reads import HostReads
 from amp_utils.run_options import RunOptions
 from amp_utils.step_graphs import StepGraphs
 
@@ -30,6 +31,7 @@ __all__ = [
     "DistributedInfo",
     "Checkpointer",
     "EpochCounter",
+    "HostReads",
     "NonFiniteLossError",
     "PrecisionNotSupportedError",
     "RunOptions",

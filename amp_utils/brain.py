@@ -10,7 +10,9 @@ the fit/evaluate loops; each mechanism they call lives in its own module:
   non-finite patience, step counters, per-step TensorBoard scalars);
 * ``interruption.py``: SIGTERM/SIGINT and the mid-epoch checkpoint policy;
 * ``compile.py``: ``torch.compile`` of whole modules or regions, CUDA-graph modes;
-* ``distributed.py``: DDP wrapping, SyncBatchNorm, ``no_sync`` for accumulation.
+* ``distributed.py``: DDP wrapping, SyncBatchNorm, ``no_sync`` for accumulation;
+* ``step_graphs.py``: the whole step captured as a CUDA graph per batch shape
+  (``graph_step``), each shape's warm-up checked for host reads by ``host_reads.py``.
 
 Precision rules (learned from SpeechBrain, with its gaps fixed): forward + objectives run
 under ``TorchAutocast(device_type=<"cuda"|"cpu">, dtype=...)``; training uses

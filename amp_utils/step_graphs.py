@@ -17,9 +17,12 @@ What a captured step needs, and what :class:`StepGraphs` does about it:
   its shape's static input tensors before the replay.
 * **No host syncs or host values.** The body must compute from device tensors alone: the
   Brain runs it with ``graph_safe_step`` set, so that recipes use device-side code (the
-  ASR recipe's CTC loss with device lengths, augmentation drawn on the device). A capture
-  that fails (e.g. a sync) is reported with :class:`CaptureFailed`; the Brain then logs
-  why and trains eagerly.
+  ASR recipe's CTC loss with device lengths, augmentation drawn on the device). A value
+  read on the host would be frozen at the capture (a CPU tensor's) or break it (a GPU
+  tensor's). The last warm-up step of each shape runs under
+  :class:`~amp_utils.host_reads.HostReads`; if it read values on the host, the shape is
+  not captured and :class:`CaptureFailed` names the lines. A capture that fails for
+  another reason is reported the same way; the Brain then logs why and trains eagerly.
 * **Warm-up.** The first ``warmup_steps`` batches of each shape run eagerly on a side
   stream (real training steps), so that lazily created state -- optimizer moments, the
   loss scale, cuBLAS handles, shape caches -- exists before the capture and never lives in
@@ -41,6 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from amp_utils.host_reads import HostReads
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +107,8 @@ class StepGraphs:
         copy_into: ``copy_into(static, batch)`` copies a batch's tensors into ``static``.
         warmup_steps: eager steps of each new shape before it is captured (>= 1).
         max_shapes: shapes captured at most; later new shapes run eagerly (one warning).
-        capture: False runs every step eagerly (CPUs; tests of the bookkeeping).
+        capture: False runs every step eagerly (CPUs; tests of the bookkeeping), with the
+            same warm-up check for host reads.
         key: what tells shapes apart (default :func:`shape_key`).
     """
 
@@ -126,6 +132,7 @@ class StepGraphs:
         self.capture = capture
         self.key = key
         self.graphs: dict[Hashable, _Captured] = {}
+        self.host_reads: dict[Hashable, str] = {}  # shapes whose warm-up read host values
         self.seen: Counter[Hashable] = Counter()
         self.replays = 0
         self.eager_steps = 0
@@ -143,10 +150,16 @@ class StepGraphs:
             self.replays += 1
             return clone_tensors(captured.outputs)
         self.seen[key] += 1
+        if self.seen[key] <= self.warmup_steps:
+            return self._warm_up(key, batch, check=self.seen[key] == self.warmup_steps)
+        if key in self.host_reads:
+            raise CaptureFailed(
+                "the step reads values on the host, which a CUDA graph would freeze at the "
+                "capture; compute them on the device while Brain.graph_safe_step is set, or "
+                "block graph_step for this case in step_graph_blocker():\n" + self.host_reads[key]
+            )
         if not self.capture:
             return self._eager(batch)
-        if self.seen[key] <= self.warmup_steps:
-            return self._warm_up(batch)
         if len(self.graphs) >= self.max_shapes:
             if not self._warned_full:
                 logger.warning(
@@ -164,8 +177,17 @@ class StepGraphs:
         self.eager_steps += 1
         return self.body(batch)
 
-    def _warm_up(self, batch: Any) -> Any:
-        """An eager step on a side stream (PyTorch's warm-up before a capture)."""
+    def _warm_up(self, key: Hashable, batch: Any, check: bool) -> Any:
+        """An eager step on a side stream (PyTorch's warm-up before a capture); with
+        ``check``, its host reads are recorded against the shape ``key``."""
+        if check:
+            with HostReads() as reads:
+                outputs = self._warm_up(key, batch, check=False)
+            if reads.found:
+                self.host_reads[key] = reads.report()
+            return outputs
+        if not self.capture:
+            return self._eager(batch)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         main = torch.cuda.current_stream()

@@ -152,8 +152,16 @@ class WaveAugment(torch.nn.Module):
     def perturb_speed(
         self, wavs: torch.Tensor, wav_lens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Resample the batch by one speed factor drawn from ``speeds``."""
-        factor = self.speeds[int(torch.randint(len(self.speeds), ()))]
+        """Resample the batch by one speed factor drawn from ``speeds``.
+
+        With one factor nothing is drawn: a step captured as a CUDA graph reads no host
+        values (a draw would be frozen at the capture), and warm-up steps and replays then
+        leave the host's random stream alike.
+        """
+        if len(self.speeds) == 1:
+            factor = self.speeds[0]
+        else:
+            factor = self.speeds[int(torch.randint(len(self.speeds), ()))]
         # Played ``factor`` times faster: the audio is read as sampled at sr * factor.
         self._source_rate = round(self.sample_rate * factor)
         if self._source_rate == self.sample_rate:
