@@ -101,10 +101,14 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert saved["peak_memory_mb"] > 0 and saved["wall_time_s"] > 0
     assert saved["optimizer_steps"] == 4
     assert "torch" in (run / "env.txt").read_text()
-    # Four steps teach a CTC model to say nothing: the error report and the log say so.
-    assert "**Collapsed.** The model said nothing" in (run / "test_errors.md").read_text()
-    assert "The model said nothing" in caplog.text
-    assert saved["collapsed"]["label"] == "∅" and saved["collapsed"]["share"] == 1.0
+    # Four steps teach a CTC model the labels' prior: it says one thing (nothing, or one
+    # word, depending on the draws) for most utterances; the error report and log say so.
+    collapsed = saved["collapsed"]
+    assert collapsed is not None and collapsed["share"] >= 0.5
+    said = collapsed["said"]
+    assert said == ("nothing" if collapsed["label"] == "∅" else f'"{collapsed["label"]}"')
+    assert f"**Collapsed.** The model said {said}" in (run / "test_errors.md").read_text()
+    assert f"The model said {said}" in caplog.text
     # The lexicon of the default decoder: the words of the training transcripts.
     labels = json.loads((run / "labels.json").read_text())
     assert labels["words"] == sorted(DIGIT_WORDS)
@@ -653,8 +657,10 @@ def test_multirun_over_three_precisions_writes_summary(fsdd_root, prepared_digit
     rows = read_csv(sweep / "summary.csv")
     assert sorted(r["precision"] for r in rows) == ["bf16", "fp16", "fp32"]
     assert all(r["status"] == "ok" for r in rows)
-    # after 4 steps a model may still say nothing to everything, and the table says so
-    assert {r["collapsed to"] for r in rows} <= {"no", "nothing (100 %)"}
+    # after 4 steps a model may still say one thing (nothing, or one word) to most
+    # utterances, and the table says so
+    for row in rows:
+        assert re.fullmatch(r'no|(nothing|"[a-z]+") \((5\d|[6-9]\d|100) %\)', row["collapsed to"])
     fp32 = next(r for r in rows if r["precision"] == "fp32")
     assert fp32["speed-up vs fp32"] == "1.00x"
     assert "test CER %" in rows[0] and "test WER %" in rows[0]  # test figures, with units
