@@ -11,12 +11,12 @@ from amp_utils.distributed import (
     run_on_main,
 )
 from amp_utils.epoch_counter import EpochCounter
+from amp_utils.host_reads import HostReads
 from amp_utils.precision import (
     DeviceNotAvailableError,
     PrecisionNotSupportedError,
     resolve_device,
 )
-from amp_utils.host_reads import HostReads
 from amp_utils.run_options import RunOptions
 from amp_utils.step_graphs import StepGraphs
 

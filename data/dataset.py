@@ -156,6 +156,10 @@ class AudioDataset(torch.utils.data.Dataset):
                 raise DataError(f"Utterance {utt.id!r}: {err}") from None
         #: Durations in seconds, for ``DurationBatchSampler``.
         self.durations: list[float] = [utt.duration for utt in self.utterances]
+        #: With :meth:`cache_audio`: every utterance's samples, one after another, and
+        #: where each starts (``len(self) + 1`` offsets).
+        self._audio: torch.Tensor | None = None
+        self._offsets: list[int] = []
 
     def __len__(self) -> int:
         return len(self.utterances)
@@ -170,7 +174,7 @@ class AudioDataset(torch.utils.data.Dataset):
         utt = self.utterances[index]
         return {
             "id": utt.id,
-            "wav": self.load_wav(index),
+            "wav": self.load_wav(index) if self._audio is None else self._cached_wav(index),
             "tokens": torch.tensor(self.tokens[index], dtype=torch.int64),
             "speaker": self.speaker_ids[index],
             "transcript": utt.transcript,
@@ -183,6 +187,32 @@ class AudioDataset(torch.utils.data.Dataset):
         Subclasses that build audio in memory (``ConnectedDigitsDataset``) override this.
         """
         return load_audio(self.utterances[index].path, self.sample_rate)
+
+    def cache_audio(self) -> int:
+        """Decode every utterance's audio once and keep it in memory; returns its bytes.
+
+        Reading and decoding a file per utterance was ~80 % of a DataLoader worker's time
+        per batch (FSDD: ~5.7 ms of a 30-s batch). The samples are kept as they load
+        (float32, resampled), so batches are the same as without the cache, in one tensor
+        (one storage): forked DataLoader workers share it copy-on-write.
+        """
+        pieces = [self.load_wav(index) for index in range(len(self))]
+        offsets = [0]
+        for piece in pieces:
+            offsets.append(offsets[-1] + piece.numel())
+        self._audio = torch.cat(pieces) if pieces else torch.zeros(0)
+        self._offsets = offsets
+        return self._audio.numel() * self._audio.element_size()
+
+    @property
+    def audio_cached(self) -> bool:
+        """Whether :meth:`cache_audio` holds the audio in memory."""
+        return self._audio is not None
+
+    def _cached_wav(self, index: int) -> torch.Tensor:
+        assert self._audio is not None
+        # a copy: whatever a caller does to its item never reaches the cache
+        return self._audio[self._offsets[index] : self._offsets[index + 1]].clone()
 
 
 def _pad(tensors: list[torch.Tensor], dtype: torch.dtype, length: int = 0) -> torch.Tensor:

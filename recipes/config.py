@@ -348,6 +348,12 @@ def validate_config(cfg: DictConfig) -> None:
     _choice(cfg, "trainer.compile_backend", COMPILE_BACKENDS)
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
     _check_graph_step(cfg)
+    cache_mb = OmegaConf.select(cfg, "data.cache_audio_mb")
+    if isinstance(cache_mb, bool) or not isinstance(cache_mb, (int, float)) or cache_mb < 0:
+        raise ConfigError(
+            f"data.cache_audio_mb={cache_mb!r} is not valid; it must be a number >= 0 (MiB of "
+            "audio held in memory; 0 reads the files for every batch)."
+        )
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")
     cache = cfg.device.onednn_cache_capacity

@@ -161,17 +161,38 @@ def make_datasets(
     sample_rate: int,
     tokenizer: CharTokenizer | None,
     speakers: list[str],
+    cache_audio_mb: float = 0,
 ) -> dict[str, AudioDataset]:
     """One dataset per split: manifest audio files, or connected digits built on the fly.
 
     The connected digits' source ``recordings`` are read once per process and shared by
     the splits; forked DataLoader workers inherit them instead of reading the files again.
+    Audio files are decoded once into memory alike when all splits' audio (float32, by
+    the manifests' durations) comes to at most ``cache_audio_mb`` MiB (0: never).
     """
     if recordings is None:
-        return {
+        datasets = {
             split: AudioDataset(utts, sample_rate, tokenizer, speakers=speakers)
             for split, utts in utterances.items()
         }
+        seconds = sum(sum(dataset.durations) for dataset in datasets.values())
+        expected_mb = seconds * sample_rate * 4 / 2**20
+        if 0 < expected_mb <= cache_audio_mb:
+            held = sum(dataset.cache_audio() for dataset in datasets.values())
+            logger.info(
+                "Audio of %d utterances held in memory: %.0f MiB (data.cache_audio_mb=%g).",
+                sum(len(dataset) for dataset in datasets.values()),
+                held / 2**20,
+                cache_audio_mb,
+            )
+        elif cache_audio_mb > 0:
+            logger.info(
+                "Audio read from its files for every batch: ~%.0f MiB is more than "
+                "data.cache_audio_mb=%g.",
+                expected_mb,
+                cache_audio_mb,
+            )
+        return datasets
     used = plan_sources(utt for split in utterances.values() for utt in split)
     bank = RecordingBank.load(recordings, used, sample_rate)
     return {
@@ -198,7 +219,14 @@ def build_data(
         speakers = sorted({utt.speaker for utt in utterances["train"]})
     else:  # speakers are not predicted; test speakers may be unseen
         speakers = sorted({utt.speaker for split in utterances.values() for utt in split})
-    datasets = make_datasets(utterances, recordings, data_cfg.sample_rate, tokenizer, speakers)
+    datasets = make_datasets(
+        utterances,
+        recordings,
+        data_cfg.sample_rate,
+        tokenizer,
+        speakers,
+        cache_audio_mb=float(data_cfg.cache_audio_mb),
+    )
     budget = float(data_cfg.max_batch_seconds) * float(cfg.device.batch_scale)
     workers = int(cfg.device.num_workers)
     loaders = {}

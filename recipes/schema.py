@@ -170,6 +170,7 @@ class DataConfig:
     num_buckets: int = MISSING  # length buckets for batching similar durations together
     pad_to_buckets: bool = MISSING  # pad every batch to its bucket's longest utterance
     skip_bad_files: bool = MISSING  # skip (and count) unreadable audio instead of failing
+    cache_audio_mb: float = MISSING  # decode audio files into memory once if they fit (0: never)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
     wave_augment: WaveAugmentConfig = field(default_factory=WaveAugmentConfig)

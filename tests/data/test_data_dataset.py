@@ -85,3 +85,46 @@ def test_defaults_without_tokenizer_or_speakers(tmp_path: Path) -> None:
     data = AudioDataset(utts, 8000)
     assert data.speakers == ("george", "theo") and data.speaker_ids == [1, 0]
     assert data.tokens == [[], []]
+
+
+# ------------------------------------------------------------ audio held in memory
+
+
+def test_cached_audio_gives_the_same_items_without_reading_files(fsdd_utts, monkeypatch) -> None:
+    """``cache_audio`` decodes once; items are then the same, and no file is read again."""
+    utts = fsdd_utts[::100]
+    from_files = AudioDataset(utts, 8000, CharTokenizer(), FSDD_SPEAKERS)
+    cached = AudioDataset(utts, 8000, CharTokenizer(), FSDD_SPEAKERS)
+    held = cached.cache_audio()
+    assert cached.audio_cached and not from_files.audio_cached
+    assert held == 4 * sum(round(u.duration * 8000) for u in utts)
+    expected = [from_files[i] for i in range(len(utts))]
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a cached dataset read a file")
+
+    monkeypatch.setattr("data.dataset.load_audio", no_reading)
+    for index, item in enumerate(expected):
+        got = cached[index]
+        assert torch.equal(got["wav"], item["wav"]) and got["id"] == item["id"]
+    got = cached[0]["wav"]
+    got.zero_()  # a caller's changes never reach the cache
+    assert torch.equal(cached[0]["wav"], expected[0]["wav"])
+
+
+def test_forked_workers_serve_the_cached_audio(fsdd_utts) -> None:
+    """Workers (forked after the cache was filled) give the batches the files give."""
+    utts = fsdd_utts[::60]
+    from_files = AudioDataset(utts, 8000, CharTokenizer(), FSDD_SPEAKERS)
+    cached = AudioDataset(utts, 8000, CharTokenizer(), FSDD_SPEAKERS)
+    cached.cache_audio()
+
+    def batches(dataset: AudioDataset, workers: int) -> list[AudioBatch]:
+        sampler = DurationBatchSampler(dataset.durations, max_batch_seconds=4, seed=3)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collate_audio, num_workers=workers
+        )
+        return list(loader)
+
+    for a, b in zip(batches(from_files, 0), batches(cached, 2), strict=True):
+        assert a.ids == b.ids and torch.equal(a.wavs, b.wavs)
