@@ -601,3 +601,53 @@ def test_fast_path_step_graphs_trains_the_asr_recipe_on_cuda(fsdd_root, prepared
     assert results["step_graphs"]["graphs"] >= 1 and results["step_graphs"]["replays"] >= 1
     assert "could not be captured" not in result.stderr
     assert all(v == v for v in results["test_metrics"].values())  # no NaN
+
+
+_RESUME_ON_CUDA = (
+    "device=cuda",
+    "device.num_workers=0",
+    "trainer.debug_batches=8",
+    "trainer.graph_step_warmup=1",  # shapes repeat within 16 batches: replays on both sides
+    "precision.allow_tf32=false",
+)
+
+
+def test_the_gpu_resume_config_composes() -> None:
+    validate_config(compose_config([*FAST, "fast_path=step_graphs", *_RESUME_ON_CUDA]))
+
+
+@pytest.mark.gpu
+def test_an_interrupted_run_with_replayed_graphs_resumes_as_an_uninterrupted_one(
+    fsdd_root, prepared, tmp_path, monkeypatch, cuda_device
+):
+    """SIGTERM after step 5 (replays before it), then the same call again: the resumed run
+    warms up and captures its shapes afresh where the uninterrupted one replays, and still
+    ends where that one does -- replays advance the CUDA random stream (dropout,
+    augmentation) and the optimizer as eager steps do. (The CPU test above covers the
+    graph-safe step run eagerly; this one the replays.)"""
+    original = AudioBrain.on_fit_batch_end
+    interrupted = []
+
+    def stop_once(self, batch, outputs, loss, should_step):
+        original(self, batch, outputs, loss, should_step)
+        if self.step == 5 and not interrupted:
+            interrupted.append(self.step_graph_stats())
+            self.stop_signals.received = signal.SIGTERM
+
+    def run(name: str, stop: bool) -> dict:
+        cfg = _config(fsdd_root, prepared, tmp_path / name, *_RESUME_ON_CUDA)
+        if stop:
+            monkeypatch.setattr(AudioBrain, "on_fit_batch_end", stop_once)
+            with pytest.raises(TrainingInterrupted):
+                train(cfg)
+            monkeypatch.setattr(AudioBrain, "on_fit_batch_end", original)
+        return train(cfg)
+
+    resumed, uninterrupted = run("resumed", stop=True), run("uninterrupted", stop=False)
+    assert interrupted and resumed["sessions"] == 2
+    assert uninterrupted["step_graphs"]["replays"] >= 1, uninterrupted["step_graphs"]
+    assert resumed["optimizer_steps"] == uninterrupted["optimizer_steps"] == 16
+    # not bit-exact: the CUDA kernels' float sums may differ in order between runs
+    assert resumed["test_metrics"]["loss"] == pytest.approx(
+        uninterrupted["test_metrics"]["loss"], rel=1e-4
+    )
