@@ -392,24 +392,23 @@ def test_a_whole_run_through_the_graph_safe_step_ends_as_the_usual_run(
     assert graphed["valid_metrics"] == pytest.approx(usual["valid_metrics"], rel=1e-3)
 
 
-def test_an_interrupted_run_through_the_graph_safe_step_resumes_exactly(
-    fsdd_root, prepared, tmp_path, monkeypatch
-):
-    """SIGTERM in the middle of the first epoch (a checkpoint, then exit), the same call
-    again (resume): the run ends exactly where an uninterrupted one does -- the lr tensors,
-    device-side draws and ledger carry nothing a checkpoint misses."""
-    monkeypatch.setattr(AudioBrain, "step_graph_blocker", lambda self: None)
+def _interrupted_and_uninterrupted(
+    fsdd_root, prepared, tmp_path, monkeypatch, stop_at: int, *overrides: str
+) -> tuple[dict, dict, list[int]]:
+    """Results of a run stopped by SIGTERM after step ``stop_at`` (a checkpoint, then exit)
+    and run again by the same call (resume), of the same run uninterrupted, and the steps
+    that were stopped at."""
     original = AudioBrain.on_fit_batch_end
-    interrupted = []
+    interrupted: list[int] = []
 
     def stop_once(self, batch, outputs, loss, should_step):
         original(self, batch, outputs, loss, should_step)
-        if self.step == 2 and not interrupted and self.run_opts.graph_step:
+        if self.step == stop_at and not interrupted and self.run_opts.graph_step:
             interrupted.append(self.step)
             self.stop_signals.received = signal.SIGTERM  # as the handler records it
 
     def run(name: str, stop: bool) -> dict:
-        cfg = _config(fsdd_root, prepared, tmp_path / name, "trainer.debug_batches=4")
+        cfg = _config(fsdd_root, prepared, tmp_path / name, *overrides)
         if stop:
             monkeypatch.setattr(AudioBrain, "on_fit_batch_end", stop_once)
             with pytest.raises(TrainingInterrupted):
@@ -417,7 +416,20 @@ def test_an_interrupted_run_through_the_graph_safe_step_resumes_exactly(
             monkeypatch.setattr(AudioBrain, "on_fit_batch_end", original)
         return train(cfg)
 
-    resumed, uninterrupted = run("resumed", stop=True), run("uninterrupted", stop=False)
+    resumed = run("resumed", stop=True)
+    return resumed, run("uninterrupted", stop=False), interrupted
+
+
+def test_an_interrupted_run_through_the_graph_safe_step_resumes_exactly(
+    fsdd_root, prepared, tmp_path, monkeypatch
+):
+    """SIGTERM in the middle of the first epoch (a checkpoint, then exit), the same call
+    again (resume): the run ends exactly where an uninterrupted one does -- the lr tensors,
+    device-side draws and ledger carry nothing a checkpoint misses."""
+    monkeypatch.setattr(AudioBrain, "step_graph_blocker", lambda self: None)
+    resumed, uninterrupted, interrupted = _interrupted_and_uninterrupted(
+        fsdd_root, prepared, tmp_path, monkeypatch, 2, "trainer.debug_batches=4"
+    )
     assert interrupted == [2] and resumed["sessions"] == 2
     assert resumed["optimizer_steps"] == uninterrupted["optimizer_steps"] == 8
     assert resumed["test_metrics"] == uninterrupted["test_metrics"]  # exactly
@@ -625,26 +637,10 @@ def test_an_interrupted_run_with_replayed_graphs_resumes_as_an_uninterrupted_one
     ends where that one does -- replays advance the CUDA random stream (dropout,
     augmentation) and the optimizer as eager steps do. (The CPU test above covers the
     graph-safe step run eagerly; this one the replays.)"""
-    original = AudioBrain.on_fit_batch_end
-    interrupted = []
-
-    def stop_once(self, batch, outputs, loss, should_step):
-        original(self, batch, outputs, loss, should_step)
-        if self.step == 5 and not interrupted:
-            interrupted.append(self.step_graph_stats())
-            self.stop_signals.received = signal.SIGTERM
-
-    def run(name: str, stop: bool) -> dict:
-        cfg = _config(fsdd_root, prepared, tmp_path / name, *_RESUME_ON_CUDA)
-        if stop:
-            monkeypatch.setattr(AudioBrain, "on_fit_batch_end", stop_once)
-            with pytest.raises(TrainingInterrupted):
-                train(cfg)
-            monkeypatch.setattr(AudioBrain, "on_fit_batch_end", original)
-        return train(cfg)
-
-    resumed, uninterrupted = run("resumed", stop=True), run("uninterrupted", stop=False)
-    assert interrupted and resumed["sessions"] == 2
+    resumed, uninterrupted, interrupted = _interrupted_and_uninterrupted(
+        fsdd_root, prepared, tmp_path, monkeypatch, 5, *_RESUME_ON_CUDA
+    )
+    assert interrupted == [5] and resumed["sessions"] == 2
     assert uninterrupted["step_graphs"]["replays"] >= 1, uninterrupted["step_graphs"]
     assert resumed["optimizer_steps"] == uninterrupted["optimizer_steps"] == 16
     # not bit-exact: the CUDA kernels' float sums may differ in order between runs
