@@ -31,6 +31,14 @@ class StopSignals:
     The first signal is remembered in ``received`` (the loop checks it after each step);
     a second one raises ``KeyboardInterrupt`` at once. Outside the main thread, signals
     cannot be caught and the context does nothing.
+
+    A signal sent to the whole process group (SLURM's preemption signals every process of
+    the job; so do ``timeout`` and Ctrl-C) also ends the DataLoader workers, and PyTorch's
+    SIGCHLD handler would then raise "DataLoader worker ... is killed by signal" in the
+    middle of the batch, before the checkpoint. After the first signal the workers' ends
+    are expected: SIGCHLD gets its default handling until the context exits. (With
+    gradient accumulation the loop stops at the next optimizer step, and a batch it still
+    needs from a dead worker fails the run; its last checkpoint stays.)
     """
 
     def __init__(self) -> None:
@@ -48,11 +56,14 @@ class StopSignals:
         if self.received is not None:  # second signal: stop now
             raise KeyboardInterrupt
         self.received = signum
+        if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
+            self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         logger.warning("Received signal %d: checkpointing after this batch.", signum)
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # None: installed outside Python, cannot be restored
+                signal.signal(sig, handler)
 
 
 class MidEpochDecision(NamedTuple):

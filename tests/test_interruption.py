@@ -47,6 +47,25 @@ def test_stop_signals_remember_the_first_and_restore_the_handlers():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_after_a_signal_the_workers_ends_raise_nothing_until_the_context_ends():
+    """A process-group signal ends the DataLoader workers too: PyTorch's SIGCHLD handler
+    would raise mid-batch, so after the first signal SIGCHLD is left to its default."""
+
+    def torch_like(signum, frame):  # stands in for the DataLoader's SIGCHLD handler
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+
+    before = signal.signal(signal.SIGCHLD, torch_like)
+    try:
+        with StopSignals():
+            assert signal.getsignal(signal.SIGCHLD) is torch_like  # until a signal comes
+            os.kill(os.getpid(), signal.SIGINT)
+            assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+            os.kill(os.getpid(), signal.SIGCHLD)  # a worker's end: nothing raised
+        assert signal.getsignal(signal.SIGCHLD) is torch_like
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+
+
 def test_interrupted_error_names_the_signal_and_how_to_resume():
     error = interrupted_error(signal.SIGINT, 2, 5)
     assert isinstance(error, TrainingInterrupted)

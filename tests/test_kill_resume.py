@@ -148,8 +148,38 @@ def epoch_finished(run_dir: Path, epoch: int) -> bool:
     return epoch == 0 or (log.exists() and f"epoch {epoch}/{EPOCHS}: lr" in log.read_text())
 
 
-def kill_during(proc: subprocess.Popen, run_dir: Path, epoch: int, seen: int, delay: float):
-    """SIGKILL ``proc`` in ``epoch`` after ``seen`` new mid-epoch checkpoints and ``delay``."""
+def child_pids(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (a run's DataLoader workers), from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # ended while we looked
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def still_running(pids: set[int], within: float = 10.0) -> set[int]:
+    """Those of ``pids`` still running (not ended, not zombies) after up to ``within`` s."""
+    deadline = time.monotonic() + within
+    while True:
+        running = set()
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in ("Z", "X"):
+                running.add(pid)
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
+
+
+def wait_for_mid_epoch_checkpoints(proc, run_dir: Path, epoch: int, seen: int) -> None:
+    """Wait until ``proc`` is in ``epoch`` and has saved ``seen`` new mid-epoch checkpoints."""
     while proc.poll() is None and not epoch_finished(run_dir, epoch - 1):
         time.sleep(0.005)
     known, new = mid_epoch_checkpoints(run_dir), 0
@@ -158,10 +188,19 @@ def kill_during(proc: subprocess.Popen, run_dir: Path, epoch: int, seen: int, de
         new += len(now - known)
         known |= now
         time.sleep(0.002)
+
+
+def kill_during(proc: subprocess.Popen, run_dir: Path, epoch: int, seen: int, delay: float):
+    """SIGKILL ``proc`` in ``epoch`` after ``seen`` new mid-epoch checkpoints and ``delay``;
+    its DataLoader workers must end with it (not linger as orphans)."""
+    wait_for_mid_epoch_checkpoints(proc, run_dir, epoch, seen)
     time.sleep(delay)
     assert proc.poll() is None, "the run finished before it could be killed"
+    workers = child_pids(proc.pid)
+    assert workers, "the run has no DataLoader workers to check"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert not still_running(workers), "DataLoader workers outlived the killed run"
 
 
 def run_with_kills(scenario: Scenario, manifests: dict[str, Path], run_dir: Path, env) -> str:
@@ -271,3 +310,33 @@ SLOW_SCENARIOS = [
 @pytest.mark.parametrize("scenario", SLOW_SCENARIOS, ids=[s.name for s in SLOW_SCENARIOS])
 def test_killed_many_times_resumes_to_the_uninterrupted_result(scenario, tmp_path, prepared):
     kill_resume_check(scenario, tmp_path, prepared)
+
+
+def test_a_signal_to_the_whole_process_group_checkpoints_and_resumes(tmp_path, prepared):
+    """Slurm's preemption, ``timeout`` and Ctrl-C signal every process of the job, the
+    DataLoader workers too. The run must still save after its batch and say how to resume
+    (not crash because its workers died), leave no worker behind, and resume."""
+    scenario = draw(SEED, kills=1)
+    manifests = write_subset(prepared, tmp_path)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        command(scenario, manifests, run_dir),
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a job's
+    )
+    wait_for_mid_epoch_checkpoints(proc, run_dir, 1, 1)
+    assert proc.poll() is None, "the run finished before it could be signalled"
+    workers = child_pids(proc.pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert "Received SIGTERM: saved a checkpoint" in stderr, stderr[-3000:]
+    assert "killed by signal" not in stderr, stderr[-3000:]
+    assert workers and not still_running(workers)
+    result = run_command(command(scenario, manifests, run_dir), env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert RESUMED.search((run_dir / "train.log").read_text())

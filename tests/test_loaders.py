@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -43,3 +46,44 @@ def test_timed_batches_reports_how_long_each_batch_took_to_arrive():
     waits: list[float] = []
     assert list(timed_batches(slow(), waits.append)) == [0, 1, 2]
     assert len(waits) == 3 and waits[0] < 0.015 and waits[1] >= 0.02 and waits[2] >= 0.04
+
+
+_SEEN_BY_INIT: list[int] = []
+
+
+def _user_init(worker_id: int) -> None:
+    _SEEN_BY_INIT.append(100 + worker_id)
+
+
+class _WorkerFacts(torch.utils.data.Dataset):
+    """Items tell what the worker that made them knows: its death signal, the init's mark."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        import ctypes
+
+        death_signal = ctypes.c_int(0)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(death_signal), 0, 0, 0)  # PR_GET_PDEATHSIG
+        return death_signal.value, (_SEEN_BY_INIT[-1] if _SEEN_BY_INIT else -1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_loader_workers_are_killed_with_the_training_process_and_run_the_callers_init():
+    """Workers of make_loader ask for SIGKILL when the training process dies (an orphan of
+    kill -9 otherwise hung in its exit), then run the caller's own worker_init_fn."""
+    from amp_utils.distributed import DistributedInfo
+    from amp_utils.loaders import make_loader
+
+    loader = make_loader(
+        _WorkerFacts(),
+        seed=0,
+        distributed=DistributedInfo(),
+        shard=True,
+        num_workers=1,
+        batch_size=None,
+        worker_init_fn=_user_init,
+    )
+    assert [tuple(item) for item in loader] == [(signal.SIGKILL, 100)] * 2
+    assert _SEEN_BY_INIT == []  # it ran in the worker, not here
