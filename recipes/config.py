@@ -145,6 +145,12 @@ def _positive(cfg: DictConfig, key: str, integer: bool = False) -> None:
         )
 
 
+def _non_negative(cfg: DictConfig, key: str, meaning: str) -> None:
+    value: Any = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{key}={value!r} is not valid; it must be >= 0 ({meaning}).")
+
+
 def _refuse_unknown(unknown: list[str], known: set[str], where: str) -> None:
     if not unknown:
         return
@@ -348,19 +354,16 @@ def validate_config(cfg: DictConfig) -> None:
     _choice(cfg, "trainer.compile_backend", COMPILE_BACKENDS)
     _choice(cfg, "trainer.distributed_backend", BACKENDS)
     _check_graph_step(cfg)
-    cache_mb = OmegaConf.select(cfg, "data.cache_audio_mb")
-    if isinstance(cache_mb, bool) or not isinstance(cache_mb, (int, float)) or cache_mb < 0:
-        raise ConfigError(
-            f"data.cache_audio_mb={cache_mb!r} is not valid; it must be a number >= 0 (MiB of "
-            "audio held in memory; 0 reads the files for every batch)."
-        )
+    _non_negative(
+        cfg, "data.cache_audio_mb", "MiB of audio held in memory; 0 reads the files for every batch"
+    )
     if cfg.trainer.nonfinite_patience < 0:
         raise ConfigError("trainer.nonfinite_patience must be >= 0.")
-    cache = cfg.device.onednn_cache_capacity
-    if cache is not None and cache < 0:
-        raise ConfigError(
-            f"device.onednn_cache_capacity={cache} is not valid; it must be >= 0 (e.g. "
-            "device.onednn_cache_capacity=4096; 0: no cache), or null for oneDNN's own default."
+    if cfg.device.onednn_cache_capacity is not None:  # null: oneDNN's own default
+        _non_negative(
+            cfg,
+            "device.onednn_cache_capacity",
+            "e.g. device.onednn_cache_capacity=4096; 0: no cache; null: oneDNN's own default",
         )
     _check_augmentation(cfg.data)
     smoothing = OmegaConf.select(cfg, "model.label_smoothing", default=0.0)

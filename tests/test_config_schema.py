@@ -307,6 +307,7 @@ def test_device_sizes_the_onednn_cache_for_the_brain(device):
     assert run_options(compose_config([f"device={device}"])).onednn_cache_capacity == 4096
     cfg = compose_config([f"device={device}", "device.onednn_cache_capacity=null"])
     assert run_options(cfg).onednn_cache_capacity is None
+    validate_config(cfg)  # null is valid: oneDNN's own default
     cfg = compose_config([f"device={device}", "device.onednn_cache_capacity=-1"])
     with pytest.raises(ConfigError, match="device.onednn_cache_capacity=-1 is not valid.*>= 0"):
         validate_config(cfg)
