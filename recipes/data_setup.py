@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from amp_utils.distributed import DistributedInfo, run_on_main
-from amp_utils.loaders import tied_worker_init
+from amp_utils.loaders import seeded_generator, tied_worker_init
 from data.audio import check_audio_files
 from data.connected_digits import (
     ConnectedDigitsDataset,
@@ -259,7 +259,7 @@ def build_data(
             num_workers=workers,
             pin_memory=bool(cfg.device.pin_memory) and device.type == "cuda",
             persistent_workers=workers > 0,
-            generator=torch.Generator().manual_seed(cfg.seed),
+            generator=seeded_generator(cfg.seed),
             worker_init_fn=tied_worker_init(),  # no worker outlives a killed run
         )
     return DataBundle(
