@@ -205,6 +205,7 @@ class Brain:
         self.step = 0  # batches done in the current stage
         self.train_stats = dict(TRAIN_STATS)
         self._resume_step = 0  # training batches already done in the interrupted epoch
+        self._resume_grads: dict[str, Any] | None = None  # its accumulation window's
         self._epoch_start = time.perf_counter()
         self._epoch_counter: Any = None
         self._stage: Stage | None = None  # the stage running, and its epoch (stall warning)
@@ -695,6 +696,7 @@ class Brain:
         self.zero_grad()
         skip = self._resume_step
         self.step = skip
+        self._restore_pending_grads()
         if skip == 0:
             self.ledger.train_loss = RunningMean()
         self._epoch_start = time.perf_counter()
@@ -727,6 +729,10 @@ class Brain:
                 if self.step % self.run_opts.log_interval_steps == 0:
                     bar.set_postfix(train_loss=f"{self.avg_train_loss:.4f}", refresh=False)
                 if self.step % self.run_opts.grad_accumulation_factor == 0:
+                    self._maybe_save_intra_epoch()
+                elif self.stop_signals.received is not None and self.distributed.world_size == 1:
+                    # Mid-accumulation: the workers may have ended with the signal, so
+                    # save now (with the window's gradients) instead of at the next step.
                     self._maybe_save_intra_epoch()
         self.flush_pending()
         if self.device_type == "cuda":
@@ -871,6 +877,7 @@ class Brain:
             "precision": self.amp.name,
             "train_stats": train_stats,
             "rng": capture_rng_state(),
+            "pending_grads": self._pending_grads() if self._resume_step > 0 else None,
         }
         if self.distributed.world_size > 1:
             # Each rank's generators drew for its own batches (dropout, SpecAugment) and
@@ -900,6 +907,7 @@ class Brain:
                 "at an epoch end."
             )
         self._resume_step = done // world_size
+        self._resume_grads = state.get("pending_grads")
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.ledger.train_loss = RunningMean(
@@ -915,6 +923,63 @@ class Brain:
             restore_rng_state(rank_rng[self.distributed.rank])
         else:  # a single-process checkpoint, or another world size: rank 0's generators
             restore_rng_state(state["rng"])
+
+    def _optimized_params(self) -> list[torch.nn.Parameter]:
+        """Every optimizer's parameters, in a fixed order (the order they were built in)."""
+        return [
+            p
+            for opt in self.optimizers_dict.values()
+            for group in opt.param_groups
+            for p in group["params"]
+        ]
+
+    def _pending_grads(self) -> dict[str, Any] | None:
+        """The gradients of an unfinished accumulation window, for a mid-epoch checkpoint;
+        None at a step boundary (the step set them to None) and under DDP.
+
+        A signal may stop a run mid-window (its loader's workers may be gone), so the
+        window's gradients and finite-loss flag travel with the checkpoint: the resumed
+        run then steps with the same gradients as an uninterrupted one. Under DDP the
+        ranks stop together at an optimizer step, where there is nothing to keep.
+        """
+        if self.distributed.world_size > 1:
+            return None
+        grads = [p.grad for p in self._optimized_params()]
+        if all(g is None for g in grads):
+            return None
+        finite = self.amp_step._window_finite
+        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+            # The window's step will be skipped (a checkpoint holds no NaN/Inf): keep only
+            # that. fp16's scaler backs off as after the overflow; fp32/bf16 without
+            # skip_nonfinite_grads skip a step they would have applied non-finite.
+            return {"grads": None, "window_finite": False}
+        return {
+            "grads": [None if g is None else g.detach().clone() for g in grads],
+            "window_finite": None if finite is None else bool(finite),
+        }
+
+    def _restore_pending_grads(self) -> None:
+        """Put a resumed accumulation window's gradients back (after the epoch's zero_grad)."""
+        pending, self._resume_grads = self._resume_grads, None
+        if pending is None:
+            return
+        params = self._optimized_params()
+        grads = pending["grads"] or [None] * len(params)
+        if len(grads) != len(params) or any(
+            g is not None and g.shape != p.shape for p, g in zip(params, grads, strict=True)
+        ):
+            raise CheckpointError(
+                "The mid-epoch checkpoint holds the gradients of an unfinished accumulation "
+                f"window for {len(grads)} parameters whose shapes differ from this run's "
+                f"{len(params)} optimized parameters: resume it with the model and "
+                "optimizer it was saved with, or start the run afresh in a new output folder."
+            )
+        for p, g in zip(params, grads, strict=True):
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
+        if pending["window_finite"] is not None:
+            self.amp_step._window_finite = torch.tensor(
+                pending["window_finite"], device=self.device
+            )
 
     def _restored_train_stats(self, state: dict[str, Any]) -> dict[str, float]:
         """This rank's training stats from a checkpoint; under another world size, rank 0

@@ -36,9 +36,10 @@ class StopSignals:
     the job; so do ``timeout`` and Ctrl-C) also ends the DataLoader workers, and PyTorch's
     SIGCHLD handler would then raise "DataLoader worker ... is killed by signal" in the
     middle of the batch, before the checkpoint. After the first signal the workers' ends
-    are expected: SIGCHLD gets its default handling until the context exits. (With
-    gradient accumulation the loop stops at the next optimizer step, and a batch it still
-    needs from a dead worker fails the run; its last checkpoint stays.)
+    are expected: SIGCHLD gets its default handling until the context exits. The loop
+    asks for no batch after the signal: inside a gradient-accumulation window it saves
+    the window's gradients with the checkpoint instead of waiting for the window's last
+    batch (single process; DDP ranks stop together at an optimizer step).
     """
 
     def __init__(self) -> None:

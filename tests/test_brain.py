@@ -19,6 +19,7 @@ from amp_utils import (
     Stage,
     TrainingInterrupted,
 )
+from amp_utils.checkpoint import STATE_FILE, read_state
 from amp_utils.precision import ONEDNN_CACHE_VARIABLE, PrecisionNotSupportedError
 from data.sampler import DurationBatchSampler
 
@@ -587,6 +588,97 @@ def test_sigterm_saves_checkpoint_and_exits_with_resume_hint(tmp_path):
     [saved] = ckpt.list_checkpoints()
     assert not saved.end_of_epoch
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def preempted_mid_accumulation(
+    ckpt_dir, precision: str, signal_at=None, nan_at=None, epochs=2, accumulation=3
+) -> ShuffledRegression:
+    """Two epochs of 12 batches, gradient accumulation over 3, dropout and AdamW; SIGTERM
+    after batch ``signal_at`` of the first epoch (a checkpoint, then ``TrainingInterrupted``);
+    a NaN loss on batch ``nan_at`` of the first epoch.
+    """
+
+    class Preempted(ShuffledRegression):
+        def compute_objectives(self, predictions, batch, stage):
+            loss = super().compute_objectives(predictions, batch, stage)
+            if stage == Stage.TRAIN and (self._epoch_counter.current, self.step) == nan_at:
+                return loss * float("nan")
+            return loss
+
+        def on_fit_batch_end(self, batch, outputs, loss, should_step):
+            if (self._epoch_counter.current, self.step) == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    torch.manual_seed(7)
+    brain = Preempted(
+        {"model": make_model(dropout=0.3)},
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+        run_opts=run_opts(grad_accumulation_factor=accumulation, precision=precision),
+        checkpointer=Checkpointer(ckpt_dir),
+    )
+    valid = DataLoader(make_data(8), batch_size=4)  # its end saves the epoch's checkpoint
+    brain.fit(EpochCounter(epochs), DataLoader(make_data(48), batch_size=4), valid_set=valid)
+    return brain
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_sigterm_mid_accumulation_stops_after_that_batch_and_resumes_exactly(tmp_path, precision):
+    """A signal after batch 4 of an accumulation over 3 checkpoints after batch 4, not 6:
+    a signal to the whole process group has ended the loader's workers, so the loop may
+    not ask them for another batch. The checkpoint keeps the accumulated gradients (and
+    the window's finite-loss flag), so the resumed run ends with the same weights."""
+    reference = preempted_mid_accumulation(tmp_path / "ref", precision)
+    assert reference.optimizer_step + reference.skipped_steps == 8  # fp16 skips its first
+    with pytest.raises(TrainingInterrupted, match="epoch 1, batch 4"):
+        preempted_mid_accumulation(tmp_path / "run", precision, signal_at=(1, 4))
+    resumed = preempted_mid_accumulation(tmp_path / "run", precision)
+    assert (resumed.optimizer_step, resumed.skipped_steps) == (
+        reference.optimizer_step,
+        reference.skipped_steps,
+    )
+    for p, q in zip(params_of(reference), params_of(resumed), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_nan_loss_before_a_mid_accumulation_stop_still_skips_the_step(tmp_path):
+    """The NaN loss of batch 4 and the signal after it: the resumed run must skip the
+    step at batch 6 as the uninterrupted one does (its NaN gradients are not applied)."""
+    reference = preempted_mid_accumulation(tmp_path / "ref", "fp32", nan_at=(1, 4))
+    assert reference.skipped_steps == 1
+    with pytest.raises(TrainingInterrupted):
+        preempted_mid_accumulation(tmp_path / "run", "fp32", signal_at=(1, 4), nan_at=(1, 4))
+    resumed = preempted_mid_accumulation(tmp_path / "run", "fp32")
+    assert resumed.skipped_steps == 1
+    for p, q in zip(params_of(reference), params_of(resumed), strict=True):
+        assert torch.isfinite(q).all() and torch.equal(p, q)
+
+
+def test_an_epoch_end_checkpoint_drops_the_unfinished_window_as_the_next_epoch_does(
+    tmp_path,
+):
+    """12 batches, accumulation over 5: the last 2 batches' gradients are zeroed when the
+    next epoch starts, so the epoch's checkpoint holds none and a resume must not add any."""
+    reference = preempted_mid_accumulation(tmp_path / "ref", "fp32", accumulation=5)
+    preempted_mid_accumulation(tmp_path / "run", "fp32", epochs=1, accumulation=5)
+    [saved] = Checkpointer(tmp_path / "run").list_checkpoints()
+    assert read_state(saved.path / STATE_FILE)["state"]["brain"]["pending_grads"] is None
+    resumed = preempted_mid_accumulation(tmp_path / "run", "fp32", accumulation=5)
+    for p, q in zip(params_of(reference), params_of(resumed), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_checkpoint_at_an_accumulation_boundary_holds_no_gradients(tmp_path):
+    brain = RegressionBrain(
+        {"model": make_model()}, sgd(), run_opts=run_opts(grad_accumulation_factor=2)
+    )
+    brain.on_fit_start()
+    data = list(DataLoader(make_data(12), batch_size=4))
+    brain.train_step(data[0])
+    brain._resume_step = brain.step  # as the loop sets it after each batch
+    assert brain.state_dict()["pending_grads"] is not None  # mid-window
+    brain.train_step(data[1])
+    brain._resume_step = brain.step
+    assert brain.state_dict()["pending_grads"] is None  # the step used them
 
 
 @pytest.mark.gpu
