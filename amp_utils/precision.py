@@ -17,9 +17,21 @@ from amp_utils.autocast import AMPConfig
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 #: ``precision=auto`` picks the fastest precision the device computes natively.
 AUTO = "auto"
-#: Slowdown of emulated bf16/fp16 against fp32 on a CPU without native support, as measured
-#: (default ASR recipe, AMD EPYC with AVX2 only: fp32 160 utt/s, bf16 16, fp16 14).
-EMULATED_CPU_SLOWDOWN = "about 10x slower than fp32"
+#: Slowdown of emulated bf16/fp16 against fp32 on a CPU without native support, by the
+#: widest vector instructions torch uses there, as measured:
+#: - AVX2 only (AMD EPYC; default ASR recipe end to end): fp32 160 utt/s, bf16 16, fp16 14;
+#: - AVX512 without AVX512-BF16/FP16 (Intel Xeon family 6 model 85; ``recipes/benchmark.py``
+#:   training steps): bf16 0.50-0.54x fp32 (Conformer) and 0.46x (x-vector); fp16 0.05x
+#:   (Conformer: its matmuls have no fast fp16 kernel there) and 0.63-0.87x (x-vector, whose
+#:   convolutions run in fp32) (benchmarks/results/2026-11-26-cpu-avx512-no-bf16.md).
+EMULATED_CPU_SLOWDOWN = {
+    ("bf16", "AVX512"): "about 2x slower than fp32 (measured on an Intel Xeon with AVX512 "
+    "but no AVX512-BF16)",
+    ("fp16", "AVX512"): "up to 20x slower than fp32 (measured on an Intel Xeon with AVX512 "
+    "but no AVX512-FP16: 0.05x fp32 for the Conformer)",
+}
+#: Where the table has no measurement for the instruction set (AVX2, or other CPUs).
+EMULATED_CPU_SLOWDOWN_DEFAULT = "about 10x slower than fp32 (measured on an AVX2-only AMD EPYC)"
 #: fp16 on a CPU with AVX512-FP16 but no AMX-FP16, as measured on an Intel Xeon (family 6
 #: model 167) with the recipes' convolutions in fp32 (``amp_utils.fast_kernels``): training
 #: steps at 1.01-1.04x fp32 (Conformer) and 1.13-1.14x (x-vector), 0.92-0.94x end to end,
@@ -162,6 +174,18 @@ def cpu_has_avx512_fp16() -> bool:
         return False
 
 
+def cpu_vector_isa() -> str:
+    """The widest vector instructions torch's CPU kernels use here: ``"AVX512"``,
+    ``"AVX2"``, ``"DEFAULT"`` (or another platform's name). Tests patch this function."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def emulated_cpu_slowdown(name: str) -> str:
+    """How much slower than fp32 ``name`` (bf16/fp16) runs emulated on this CPU, as measured
+    on a CPU with the same vector instructions."""
+    return EMULATED_CPU_SLOWDOWN.get((name, cpu_vector_isa()), EMULATED_CPU_SLOWDOWN_DEFAULT)
+
+
 def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
     """The precision to use for ``name`` on ``device``, and why.
 
@@ -178,17 +202,18 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
     if device.type == "cpu" and "bf16" in cpu_native_precisions():
         return "bf16", "this CPU computes bf16 natively (AVX512-BF16 or AMX)"
     return "fp32", (
-        f"no native bf16/fp16 on {device.type} (needs AVX512-BF16 or AMX on a CPU); "
-        f"emulated reduced precision would be {EMULATED_CPU_SLOWDOWN}"
+        "no native bf16 on this CPU (needs AVX512-BF16 or AMX); emulated bf16 would be "
+        f"{emulated_cpu_slowdown('bf16')}"
     )
 
 
 def warn_if_emulated(amp: AMPConfig, device: torch.device) -> bool:
     """Warn (once per precision) when ``amp`` is not native on this CPU; True if so.
 
-    Emulated bf16/fp16 is about 10x slower than fp32; fp16 on a CPU with AVX512-FP16 but no
-    AMX-FP16 is about as fast as fp32 (with ``fast_kernels``' fp32 convolutions), a gain of
-    nothing: each gets its own message, with what to use instead.
+    Emulated bf16/fp16 is 2-20x slower than fp32, by precision and vector instructions
+    (``emulated_cpu_slowdown``); fp16 on a CPU with AVX512-FP16 but no AMX-FP16 is about as
+    fast as fp32 (with ``fast_kernels``' fp32 convolutions), a gain of nothing: each gets
+    its own message, with what to use instead.
     """
     if device.type != "cpu" or amp.dtype == torch.float32:
         return False
@@ -207,12 +232,12 @@ def warn_if_emulated(amp: AMPConfig, device: torch.device) -> bool:
     else:
         needs = "AVX512-BF16 or AMX" if amp.name == "bf16" else "AMX-FP16"
         logger.warning(
-            "precision=%s on a CPU without %s: PyTorch emulates %s here, %s (measured on an "
-            "AVX2-only AMD EPYC). Use precision=fp32, or precision=auto to pick the fastest "
-            "precision this machine supports.",
+            "precision=%s on a CPU without %s: PyTorch emulates %s here, %s. Use "
+            "precision=fp32, or precision=auto to pick the fastest precision this machine "
+            "supports.",
             amp.name,
             needs,
             amp.name,
-            EMULATED_CPU_SLOWDOWN,
+            emulated_cpu_slowdown(amp.name),
         )
     return True

@@ -14,7 +14,12 @@ import torch
 from amp_utils import Brain, Stage
 from amp_utils.autocast import AMPConfig
 from amp_utils.compile import compile_regions
-from amp_utils.precision import resolve_precision, warn_if_emulated
+from amp_utils.precision import (
+    EMULATED_CPU_SLOWDOWN,
+    cpu_vector_isa,
+    resolve_precision,
+    warn_if_emulated,
+)
 from data.dataset import PadToBuckets, collate_audio
 from data.fsdd import prepare_fsdd_digits
 from data.sampler import DurationBatchSampler
@@ -289,6 +294,7 @@ def test_auto_precision_on_a_gpu(monkeypatch, bf16, expected):
 def test_emulated_cpu_precision_warns_once_naming_the_capability(monkeypatch, caplog):
     monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
     monkeypatch.setattr("amp_utils.precision.cpu_has_avx512_fp16", lambda: False)
+    monkeypatch.setattr("amp_utils.precision.cpu_vector_isa", lambda: "AVX2")
     monkeypatch.setattr("amp_utils.precision._warned", set())
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING, logger="amp_utils.precision"):
@@ -309,6 +315,7 @@ def test_cpu_fp16_warning_tells_fp32_speed_from_emulation(monkeypatch, caplog, a
     says which, and points to precision=auto."""
     monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset({"bf16"}))
     monkeypatch.setattr("amp_utils.precision.cpu_has_avx512_fp16", lambda: avx512_fp16)
+    monkeypatch.setattr("amp_utils.precision.cpu_vector_isa", lambda: "AVX2")
     monkeypatch.setattr("amp_utils.precision._warned", set())
     with caplog.at_level(logging.WARNING, logger="amp_utils.precision"):
         assert warn_if_emulated(AMPConfig.from_name("fp16"), torch.device("cpu"))
@@ -316,6 +323,39 @@ def test_cpu_fp16_warning_tells_fp32_speed_from_emulation(monkeypatch, caplog, a
     assert "AMX-FP16" in message and "precision=auto" in message
     assert ("as fast as fp32" in message) == avx512_fp16
     assert ("10x slower" in message) == (not avx512_fp16)
+
+
+@pytest.mark.parametrize(
+    ("isa", "precision", "expected"),
+    [
+        ("AVX2", "bf16", "about 10x slower"),
+        ("AVX2", "fp16", "about 10x slower"),
+        ("AVX512", "bf16", "about 2x slower"),
+        ("AVX512", "fp16", "up to 20x slower"),
+        ("DEFAULT", "bf16", "about 10x slower"),
+    ],
+)
+def test_the_emulation_warning_quotes_what_was_measured_on_such_a_cpu(
+    monkeypatch, caplog, isa, precision, expected
+):
+    """bf16 emulated with AVX512 ran at 0.5x fp32, not the 0.1x of an AVX2-only CPU; fp16
+    with AVX512 at 0.05x (benchmarks/results/2026-11-26-cpu-avx512-no-bf16.md)."""
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    monkeypatch.setattr("amp_utils.precision.cpu_has_avx512_fp16", lambda: False)
+    monkeypatch.setattr("amp_utils.precision.cpu_vector_isa", lambda: isa)
+    monkeypatch.setattr("amp_utils.precision._warned", set())
+    with caplog.at_level(logging.WARNING, logger="amp_utils.precision"):
+        assert warn_if_emulated(AMPConfig.from_name(precision), torch.device("cpu"))
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert expected in message and "precision=fp32" in message
+    assert ("AVX512 but no" in message) == (isa == "AVX512")
+    name, reason = resolve_precision("auto", torch.device("cpu"))
+    assert name == "fp32"
+    assert EMULATED_CPU_SLOWDOWN.get(("bf16", isa), "about 10x slower") in reason
+
+
+def test_cpu_vector_isa_is_torchs():
+    assert cpu_vector_isa() == torch.backends.cpu.get_cpu_capability()
 
 
 def test_cpu_has_avx512_fp16_reads_cpuinfo(monkeypatch):
