@@ -29,7 +29,8 @@ class StopSignals:
     """Context in which SIGTERM/SIGINT request a checkpoint and a clean exit.
 
     The first signal is remembered in ``received`` (the loop checks it after each step);
-    a second one raises ``KeyboardInterrupt`` at once. Outside the main thread, signals
+    a second one raises ``KeyboardInterrupt`` at once (a SIGTERM repeated within
+    ``REPEAT_WINDOW_S`` counts as the first). Outside the main thread, signals
     cannot be caught and the context does nothing.
 
     A signal sent to the whole process group (SLURM's preemption signals every process of
@@ -42,8 +43,14 @@ class StopSignals:
     batch (single process; DDP ranks stop together at an optimizer step).
     """
 
+    #: A repeated SIGTERM this soon after the first is the same request, not a second one:
+    #: under SLURM each rank of a ``torchrun`` job gets the job's SIGTERM and, within
+    #: milliseconds, torchrun's forwarded copy. A second SIGINT (Ctrl-C) always stops.
+    REPEAT_WINDOW_S = 2.0
+
     def __init__(self) -> None:
         self.received: int | None = None
+        self._received_at = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -54,9 +61,16 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None:  # second signal: stop now
+        if self.received is not None:  # second signal: stop now, unless a repeat
+            if (
+                signum == signal.SIGTERM == self.received
+                and time.monotonic() - self._received_at < self.REPEAT_WINDOW_S
+            ):
+                logger.info("SIGTERM again (a forwarded copy): still checkpointing first.")
+                return
             raise KeyboardInterrupt
         self.received = signum
+        self._received_at = time.monotonic()
         if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
             self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         logger.warning("Received signal %d: checkpointing after this batch.", signum)

@@ -8,6 +8,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
@@ -34,10 +35,14 @@ def _end_with_parent(parent_pid: int, then: Callable[[int], None] | None, worker
     """What :func:`tied_worker_init` returns runs this in each worker, then ``then``."""
     if sys.platform.startswith("linux") and os.getppid() == parent_pid:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 and (
-            os.getppid() != parent_pid  # the training process died before the prctl
-        ):
-            os._exit(0)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent_pid:  # the training process died before the prctl
+                os._exit(0)
+            # Tied to the training process, the worker leaves SIGTERM/SIGINT to it: a
+            # signal to the whole process group then lets the loop finish its batches up
+            # to the checkpoint (under DDP, up to the ranks' joint decision).
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
     if then is not None:
         then(worker_id)
 
@@ -51,9 +56,39 @@ def tied_worker_init(then: Callable[[int], None] | None = None) -> Callable[[int
     killed run left its workers behind, ~390 MB each). On Linux each worker asks the kernel
     for SIGKILL when the process that started it dies (``PR_SET_PDEATHSIG``); elsewhere, or
     under a fork server (the worker's parent is not this process), nothing changes.
+
+    A worker so tied ignores SIGTERM and SIGINT. SLURM's preemption, ``timeout`` and
+    Ctrl-C signal the whole process group; workers that died of it left the loop without
+    the batches it still had to train before its checkpoint (under DDP the ranks stop
+    together at a decision point up to ``log_interval_steps`` batches later, and their
+    gradient all-reduce cannot wait for a rank whose loader broke). The training process
+    handles the signal; its workers end when it shuts them down or dies.
     ``then(worker_id)`` runs afterwards (a caller's own ``worker_init_fn``).
     """
+    _kill_workers_left_at_exit()
     return functools.partial(_end_with_parent, os.getpid(), then)
+
+
+@functools.cache
+def _kill_workers_left_at_exit() -> None:
+    """At exit, SIGKILL the daemonic children (loader workers) still running, once.
+
+    ``multiprocessing`` ends them at exit with SIGTERM, then joins them: a worker that
+    ignores SIGTERM would hang the exit for ever (persistent workers are still running
+    then). Registered after ``multiprocessing``'s own exit handler, this one runs first.
+    """
+    import atexit
+    import multiprocessing
+
+    def kill_daemonic_children() -> None:
+        children = [c for c in multiprocessing.active_children() if c.daemon]
+        if children and threading.current_thread() is threading.main_thread():
+            # The DataLoader's SIGCHLD handler would report each end as a worker failure.
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in children:
+            child.kill()
+
+    atexit.register(kill_daemonic_children)
 
 
 def make_loader(

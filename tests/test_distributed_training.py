@@ -393,3 +393,54 @@ def test_ranks_with_different_run_folders_stop_with_the_fix(tmp_path):
     output = result.stdout + result.stderr
     assert output.count("error: The DDP processes composed different run folders") == 2
     assert "hydra.run.dir=PATH" in output
+
+
+def test_a_signal_to_the_whole_ddp_job_checkpoints_and_resumes(prepared_digits, tmp_path):  # noqa: F811
+    """A SIGTERM to torchrun's process group (``timeout``, Ctrl-C, a job's preemption):
+    torchrun forwards it to each rank's own process group, which holds the rank's
+    DataLoader workers. The ranks go on to their next joint decision point (up to 4
+    batches here), so their workers must not have died of it: both ranks save one
+    checkpoint, say how to resume and leave no process behind; the same command then
+    resumes (and its workers, which ignore SIGTERM, do not hang its exit)."""
+    from tests.test_kill_resume import child_pids, kill_group, still_running
+
+    data = subset_manifests(
+        prepared_digits, tmp_path / "data", {"train": 200, "valid": 8, "test": 8}
+    )
+    args = [
+        *[a for a in COMMON if not a.startswith("device.num_workers")],
+        "device.num_workers=2",
+        *data,
+        *TINY,
+        "trainer.log_interval_steps=4",
+    ]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        recipe_command("train.py", [*args, f"hydra.run.dir={run_dir}"], nproc=2),
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, as a job's
+    )
+    ranks: set[int] = set()
+    try:
+        wait_for_a_checkpoint(proc, run_dir)  # the end of epoch 1
+        ranks = child_pids(proc.pid)  # each in its own process group (torchrun's choice)
+        workers = set().union(*(child_pids(rank) for rank in ranks))
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it to each rank's group
+        output = proc.communicate(timeout=120)[0].decode()
+    finally:
+        for pgid in (proc.pid, *ranks):  # a run that failed the test leaves nothing behind
+            kill_group(pgid)
+    assert output.count("Run the same command again to resume") == 2, output[-3000:]
+    assert "killed by signal" not in output and "exited unexpectedly" not in output, output[-3000:]
+    assert len(ranks) == 2 and workers and not still_running(ranks | workers)
+    mid_epoch = [
+        c
+        for c in Checkpointer(run_dir / "checkpoints").list_checkpoints()
+        if c.meta.get("intra_epoch")
+    ]
+    assert len(mid_epoch) == 1, output[-3000:]
+    run_train([*args, f"hydra.run.dir={run_dir}"], nproc=2)  # and exits
+    assert RESUMED.search((run_dir / "train.log").read_text())

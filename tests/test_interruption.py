@@ -43,8 +43,32 @@ def test_stop_signals_remember_the_first_and_restore_the_handlers():
         os.kill(os.getpid(), signal.SIGTERM)
         assert caught.received == signal.SIGTERM
         with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_sigterm_repeated_at_once_is_the_same_request(monkeypatch):
+    """Under SLURM a torchrun rank gets the job's SIGTERM and torchrun's forwarded copy
+    milliseconds apart: that must not stop it before its checkpoint. A later SIGTERM, or
+    a second Ctrl-C, still stops at once."""
+    clock = {"now": 100.0}
+    monkeypatch.setattr("amp_utils.interruption.time.monotonic", lambda: clock["now"])
+    with StopSignals() as caught:
+        os.kill(os.getpid(), signal.SIGTERM)
+        clock["now"] += 0.01
+        os.kill(os.getpid(), signal.SIGTERM)  # the forwarded copy: nothing raised
+        assert caught.received == signal.SIGTERM
+        clock["now"] += StopSignals.REPEAT_WINDOW_S
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    with StopSignals():
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: stop now, however fast
+            os.kill(os.getpid(), signal.SIGINT)
+    with StopSignals():
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_after_a_signal_the_workers_ends_raise_nothing_until_the_context_ends():

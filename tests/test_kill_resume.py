@@ -15,6 +15,7 @@ replays one (by default every session draws a new seed).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -159,6 +160,12 @@ def child_pids(pid: int) -> set[int]:
         if int(fields[1]) == pid:
             found.add(int(stat.parent.name))
     return found
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL the process group ``pgid`` if any of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def still_running(pids: set[int], within: float = 10.0) -> set[int]:
@@ -339,11 +346,14 @@ def test_a_signal_to_the_whole_process_group_checkpoints_and_resumes(
         text=True,
         start_new_session=True,  # its own process group, as a job's
     )
-    wait_for_mid_epoch_checkpoints(proc, run_dir, 1, 1)
-    assert proc.poll() is None, "the run finished before it could be signalled"
-    workers = child_pids(proc.pid)
-    os.killpg(proc.pid, signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    try:
+        wait_for_mid_epoch_checkpoints(proc, run_dir, 1, 1)
+        assert proc.poll() is None, "the run finished before it could be signalled"
+        workers = child_pids(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc.pid)  # a run that failed the test leaves nothing behind
     assert "Received SIGTERM: saved a checkpoint" in stderr, stderr[-3000:]
     assert "killed by signal" not in stderr, stderr[-3000:]
     assert workers and not still_running(workers)

@@ -61,18 +61,23 @@ class _WorkerFacts(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 2
 
-    def __getitem__(self, index: int) -> tuple[int, int]:
+    def __getitem__(self, index: int) -> tuple[int, int, bool]:
         import ctypes
 
         death_signal = ctypes.c_int(0)
         ctypes.CDLL(None).prctl(2, ctypes.byref(death_signal), 0, 0, 0)  # PR_GET_PDEATHSIG
-        return death_signal.value, (_SEEN_BY_INIT[-1] if _SEEN_BY_INIT else -1)
+        ignores = all(
+            signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGINT)
+        )
+        return death_signal.value, (_SEEN_BY_INIT[-1] if _SEEN_BY_INIT else -1), ignores
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 def test_loader_workers_are_killed_with_the_training_process_and_run_the_callers_init():
     """Workers of make_loader ask for SIGKILL when the training process dies (an orphan of
-    kill -9 otherwise hung in its exit), then run the caller's own worker_init_fn."""
+    kill -9 otherwise hung in its exit), leave SIGTERM/SIGINT to it (a signal to the process
+    group must not break the loader before the checkpoint), then run the caller's own
+    worker_init_fn."""
     from amp_utils.distributed import DistributedInfo
     from amp_utils.loaders import make_loader
 
@@ -85,5 +90,6 @@ def test_loader_workers_are_killed_with_the_training_process_and_run_the_callers
         batch_size=None,
         worker_init_fn=_user_init,
     )
-    assert [tuple(item) for item in loader] == [(signal.SIGKILL, 100)] * 2
+    assert [tuple(item) for item in loader] == [(signal.SIGKILL, 100, True)] * 2
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # only the workers
     assert _SEEN_BY_INIT == []  # it ran in the worker, not here
