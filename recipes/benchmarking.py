@@ -16,8 +16,9 @@ times come from CUDA events (the device timeline, no sync between steps) and the
 is synchronised only around a measurement. Each row also has the model FLOPs per second
 (counted once per batch shape with ``torch.utils.flop_counter``) and, on GPUs with known
 peak rates, the model FLOPs utilisation (MFU). With ``benchmark.profile_steps`` the
-``torch.profiler`` summary of a few more steps is written per precision and mode, to show
-why a target is missed.
+``torch.profiler`` summary of a few more steps is written per precision and mode, and a
+table per mode of the ops where each precision spends more time than fp32, to show why a
+target is missed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -160,13 +161,21 @@ class FlopCounter:
         return self.cache[key]
 
 
+class OpTime(NamedTuple):
+    """One profiled op (or GPU kernel) per training step: its own time and its calls."""
+
+    ms: float
+    calls: float
+
+
 def profile_steps(
     step: Callable[[AudioBatch], None],
     batches: Iterator[AudioBatch],
     steps: int,
     device: torch.device,
-) -> str:
-    """``torch.profiler`` summary of ``steps`` steps: launches per step and the top ops."""
+) -> tuple[str, dict[str, OpTime]]:
+    """``torch.profiler`` summary of ``steps`` steps (launches per step and the top ops),
+    and each op's self time per step: the device's on CUDA (kernels), else the CPU's."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -178,11 +187,66 @@ def profile_steps(
     kernels = sum(e.count for e in averages if e.device_type == DeviceType.CUDA)
     aten_ops = sum(e.count for e in averages if e.key.startswith("aten::"))
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return (
+    summary = (
         f"{steps} profiled steps on {device}; per step: {kernels / steps:.0f} GPU kernel "
         f"launches, {aten_ops / steps:.0f} aten op calls; sorted by {sort_by}\n\n"
         + averages.table(sort_by=sort_by, row_limit=25)
     )
+    ops = {
+        e.key: OpTime(getattr(e, sort_by) / 1000 / steps, e.count / steps)
+        for e in averages
+        if getattr(e, sort_by) > 0
+    }
+    return summary, ops
+
+
+def compare_profiles(
+    baseline: dict[str, OpTime], other: dict[str, OpTime], name: str, rows: int = 15
+) -> str:
+    """Markdown: where ``name`` spends more (and less) time per step than ``baseline``
+    (fp32), op by op. An op missing on one side (a cast, a kernel of another precision)
+    counts 0 there. This is the "why" behind a precision that is slower than fp32."""
+    keys = set(baseline) | set(other)
+    zero = OpTime(0.0, 0.0)
+    delta = {k: other.get(k, zero).ms - baseline.get(k, zero).ms for k in keys}
+    total = (sum(t.ms for t in baseline.values()), sum(t.ms for t in other.values()))
+    lines = [
+        f"### {name} against fp32: {total[1]:.1f} ms against {total[0]:.1f} ms of op time "
+        f"per step ({total[1] - total[0]:+.1f} ms)",
+        "",
+        f"| op | fp32 ms | {name} ms | change ms | fp32 calls | {name} calls |",
+        "|---|---|---|---|---|---|",
+    ]
+    losers = sorted((k for k in keys if delta[k] > 0), key=lambda k: -delta[k])[:rows]
+    gainers = sorted((k for k in keys if delta[k] < 0), key=lambda k: delta[k])[: rows // 3]
+    for key in [*losers, *gainers]:
+        a, b = baseline.get(key, zero), other.get(key, zero)
+        lines.append(
+            f"| `{key[:80]}` | {a.ms:.2f} | {b.ms:.2f} | {delta[key]:+.2f} | "
+            f"{a.calls:.0f} | {b.calls:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_profile_comparisons(
+    profile_dir: Path, profiles: dict[str, dict[str, dict[str, OpTime]]]
+) -> None:
+    """``profile_compare_<mode>.md`` for every mode profiled in fp32 and another variant."""
+    for mode, variants in profiles.items():
+        if "fp32" not in variants or len(variants) < 2:
+            continue
+        sections = [
+            compare_profiles(variants["fp32"], ops, variant)
+            for variant, ops in variants.items()
+            if variant != "fp32"
+        ]
+        atomic_write_text(
+            profile_dir / f"profile_compare_{mode}.md",
+            f"# Where each precision's `{mode}` step spends its time, against fp32\n\n"
+            "Self time per training step, op by op (GPU kernels on CUDA), from "
+            "`benchmark.profile_steps` profiled steps; the ops that grew most first, then "
+            "those that shrank most.\n\n" + "\n\n".join(sections) + "\n",
+        )
 
 
 def cycle(items: list[AudioBatch]) -> Iterator[AudioBatch]:
@@ -313,11 +377,13 @@ def run_benchmark(
 
     ``build_modules`` (a fresh, eager copy of the recipe's modules) enables FLOP counts
     and the peer loops. With ``cfg.benchmark.profile_steps > 0`` and ``profile_dir``,
-    also writes ``profile_<mode>_<precision>.txt`` there for every timed mode.
+    also writes ``profile_<mode>_<precision>.txt`` there for every timed mode, and
+    ``profile_compare_<mode>.md``: each precision's op times against fp32's.
     ``on_progress(rows)`` is called after each precision (e.g. to save what is measured
     so far, should the run be cut short).
     """
     rows = []
+    profiles: dict[str, dict[str, dict[str, OpTime]]] = {}  # mode -> variant -> op times
     variants = [(p, False) for p in cfg.benchmark.precisions]
     if cfg.benchmark.tf32_baseline and "fp32" in cfg.benchmark.precisions:
         variants.insert(1, ("fp32", True))
@@ -371,8 +437,11 @@ def run_benchmark(
                 step(extra)
             stats = time_steps(step, batches, warmup, steps, brain.device)
             if cfg.benchmark.profile_steps > 0 and profile_dir is not None:
-                summary = profile_steps(step, batches, cfg.benchmark.profile_steps, brain.device)
+                summary, ops = profile_steps(
+                    step, batches, cfg.benchmark.profile_steps, brain.device
+                )
                 atomic_write_text(profile_dir / f"profile_{mode}_{variant}.txt", summary)
+                profiles.setdefault(mode, {})[variant] = ops
             brain.flush_pending()
             if mode in ("bare", "brain"):  # synthetic batches
                 stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
@@ -382,6 +451,8 @@ def run_benchmark(
                 row["step_graphs"] = brain.step_graph_stats()
             rows.append(row)
         del brain, loader
+        if profile_dir is not None:
+            write_profile_comparisons(profile_dir, profiles)
         if on_progress is not None:
             on_progress(_ordered(rows))
         gc.collect()  # the Brain's step graphs refer back to it: free them (and their pool)

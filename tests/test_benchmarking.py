@@ -117,6 +117,34 @@ def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
     profile = (out / "profile_loader_bf16.txt").read_text()
     assert "aten op calls" in profile and "aten::" in profile  # the profiler's op table
     assert len(list(out.glob("profile_*.txt"))) == 8
+    compare = (out / "profile_compare_loader.md").read_text()
+    assert "### bf16 against fp32" in compare and "| `aten::" in compare
+    assert sorted(p.name for p in out.glob("profile_compare_*.md")) == [
+        f"profile_compare_{mode}.md" for mode in ("bare", "brain", "loader", "staged")
+    ]
+
+
+def test_profile_comparison_lists_the_ops_that_cost_a_precision_its_time():
+    """Op by op, per step: growth first (largest first), then the largest savings; an op
+    one side lacks (bf16's casts) counts 0 there; the header sums every op."""
+    from recipes.benchmarking import OpTime, compare_profiles
+
+    fp32 = {"aten::mm": OpTime(10.0, 4), "aten::add": OpTime(1.0, 8), "aten::gelu": OpTime(3, 2)}
+    bf16 = {
+        "aten::mm": OpTime(4.0, 4),  # faster
+        "aten::add": OpTime(2.0, 8),  # +1
+        "aten::_to_copy": OpTime(5.0, 30),  # only in bf16: +5
+        "aten::gelu": OpTime(3.0, 2),  # unchanged: not listed
+    }
+    table = compare_profiles(fp32, bf16, "bf16")
+    lines = table.splitlines()
+    assert lines[0] == (
+        "### bf16 against fp32: 14.0 ms against 14.0 ms of op time per step (+0.0 ms)"
+    )
+    body = [line.split(" | ")[0].strip("| `") for line in lines[4:]]
+    assert body == ["aten::_to_copy", "aten::add", "aten::mm"]
+    assert "| `aten::_to_copy` | 0.00 | 5.00 | +5.00 | 0 | 30 |" in table
+    assert "| `aten::mm` | 10.00 | 4.00 | -6.00 | 4 | 4 |" in table
 
 
 def test_step_stats_percentiles_are_nearest_rank():
