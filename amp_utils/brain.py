@@ -206,6 +206,8 @@ class Brain:
         self.train_stats = dict(TRAIN_STATS)
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._resume_grads: dict[str, Any] | None = None  # its accumulation window's
+        self._stop_flag: torch.Tensor | None = None  # DDP: this rank caught a signal (0/1)
+        self._ranks_signalled: torch.Tensor | None = None  # the batch's sum over the ranks
         self._epoch_start = time.perf_counter()
         self._epoch_counter: Any = None
         self._stage: Stage | None = None  # the stage running, and its epoch (stall warning)
@@ -440,10 +442,11 @@ class Brain:
         with self.no_sync(not should_step):
             outputs, loss = self._forward_backward(batch)
         # Under DDP: the mean over the ranks, so all of them log, count and skip alike.
-        global_loss = self._mean_over_ranks(loss.detach())
+        global_loss = self._mean_over_ranks(loss.detach())  # and any rank's stop signal
         self.amp_step.observe_loss(global_loss)
         step_info = self.optimizers_step() if should_step else None
-        self.ledger.record(self.step, global_loss, step_info, self.amp_step.loss_scale())
+        signalled, self._ranks_signalled = self._ranks_signalled, None
+        self.ledger.record(self.step, global_loss, step_info, self.amp_step.loss_scale(), signalled)
         self.on_fit_batch_end(batch, outputs, loss, should_step)
         return loss.detach()
 
@@ -566,9 +569,24 @@ class Brain:
         return self._step_graphs.stats() if self._step_graphs is not None else None
 
     def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a batch's loss over the ranks; under DDP the same all-reduce also
+        carries whether any rank has caught a stop signal (read at the next flush).
+
+        The ranks must stop after the same batch. They learn of a signal together, without
+        waiting for the device or a collective of their own: each batch's loss all-reduce
+        sums a sticky flag too, which the step ledger reads one step later like the loss,
+        at the same flush on every rank; so a SIGTERM stops the run within a step or two
+        instead of at the next joint decision (every ``log_interval_steps`` steps).
+        """
         if self.distributed.world_size == 1:
             return value
-        return all_reduce_sum(value.float()) / self.distributed.world_size
+        if self._stop_flag is None:
+            self._stop_flag = torch.zeros((), device=value.device)
+        if self.stop_signals.received is not None:
+            self._stop_flag.fill_(1.0)
+        summed = all_reduce_sum(torch.stack([value.float(), self._stop_flag]))
+        self._ranks_signalled = summed[1]
+        return summed[0] / self.distributed.world_size
 
     def check_loss_isfinite(self, loss: torch.Tensor) -> bool:
         """True if the loss is finite; counts non-finite ones (the step is skipped).
@@ -842,6 +860,7 @@ class Brain:
             optimizer_step=self.optimizer_step,
             signal_received=self.stop_signals.received is not None,
             can_save=self.checkpointer is not None,
+            agreed_stop=self.ledger.stop_requested,
         )
         if decision.save:
             self._save_intra_epoch_ckpt()

@@ -4,7 +4,8 @@ A preempted job (SLURM sends SIGTERM) or a Ctrl-C saves a checkpoint after the c
 batch and exits with :class:`TrainingInterrupted`; a second signal stops at once. Besides
 signals, :class:`MidEpochCheckpointPolicy` asks for a checkpoint every N optimizer steps or
 every N minutes. Under DDP the ranks decide together, so that all of them save (and stop)
-after the same batch.
+after the same batch: a signal through the Brain's loss all-reduce (``agreed_stop``), the
+clock at joint decision points.
 """
 
 from __future__ import annotations
@@ -113,7 +114,12 @@ class MidEpochCheckpointPolicy:
         self.last_save_time = time.time()
 
     def decide(
-        self, updates: int, optimizer_step: int, signal_received: bool, can_save: bool
+        self,
+        updates: int,
+        optimizer_step: int,
+        signal_received: bool,
+        can_save: bool,
+        agreed_stop: bool = False,
     ) -> MidEpochDecision:
         """Whether to save (and stop) now, after optimizer update ``updates`` of the epoch.
 
@@ -122,7 +128,12 @@ class MidEpochCheckpointPolicy:
             optimizer_step: optimizer steps applied in the whole run.
             signal_received: this rank caught SIGTERM/SIGINT.
             can_save: a checkpointer exists (else only a signal stops the run).
+            agreed_stop: every rank knows, at this same update, that some rank caught a
+                signal (the Brain reads it from the loss all-reduce): stop now, without
+                waiting for the next joint decision.
         """
+        if agreed_stop:
+            return MidEpochDecision(save=True, stop=True)
         stop = signal_received
         by_time = (
             can_save

@@ -39,13 +39,15 @@ class PendingBatch(NamedTuple):
     """A trained batch whose values are on their way to the host.
 
     ``values`` holds the loss, then (if ``stepped``) the gradient norm and the skipped
-    flag, then (if ``scaled``: fp16) the loss scale after the step.
+    flag, then (if ``scaled``: fp16) the loss scale after the step, then (if ``signalled``:
+    DDP) how many ranks had caught a stop signal.
     """
 
     step: int
     values: HostValues
     stepped: bool
     scaled: bool
+    signalled: bool = False
 
 
 class StepLedger:
@@ -80,6 +82,7 @@ class StepLedger:
         self.nonfinite_count = 0  # consecutive non-finite losses
         self.train_loss = RunningMean()  # of this epoch's finite losses
         self.last_grad_norm: float | None = None  # of the last optimizer step read back
+        self.stop_requested = False  # DDP: a rank caught a stop signal (read on every rank)
         self._pending: list[PendingBatch] = []
 
     @property
@@ -93,15 +96,29 @@ class StepLedger:
         loss: torch.Tensor,
         step_info: StepInfo | None,
         loss_scale: torch.Tensor | None,
+        ranks_signalled: torch.Tensor | None = None,
     ) -> None:
-        """Queue batch ``step``'s device values; they are read back at the next flush."""
+        """Queue batch ``step``'s device values; they are read back at the next flush.
+
+        ``ranks_signalled`` (DDP): the number of ranks that had caught a stop signal, summed
+        in the batch's loss all-reduce; once read, ``stop_requested`` is set on every rank
+        at the same flush.
+        """
         values = [loss]
         if step_info is not None:
             values += [step_info.grad_norm, step_info.skipped]
         if loss_scale is not None:
             values.append(loss_scale)
+        if ranks_signalled is not None:
+            values.append(ranks_signalled)
         self._pending.append(
-            PendingBatch(step, HostValues(values), step_info is not None, loss_scale is not None)
+            PendingBatch(
+                step,
+                HostValues(values),
+                step_info is not None,
+                loss_scale is not None,
+                ranks_signalled is not None,
+            )
         )
 
     def flush(self) -> None:
@@ -150,6 +167,8 @@ class StepLedger:
                 if self.on_applied_step is not None:
                     self.on_applied_step()
             self.last_grad_norm = grad_norm
+        if item.signalled and values.pop() > 0.5:
+            self.stop_requested = True
         scale = values[-1] if item.scaled else None
         self._log_scalars(item, loss, scale)
 

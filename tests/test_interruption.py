@@ -37,6 +37,15 @@ def test_a_signal_means_save_and_stop_even_without_a_checkpointer():
     assert policy.decide(1, 0, True, can_save=False) == MidEpochDecision(True, True)
 
 
+def test_a_stop_all_ranks_agreed_on_needs_no_joint_decision_point():
+    """Between joint decisions (every 4 updates here) the ranks still stop at once when
+    they all know of a signal (read from the loss all-reduce); no collective is made."""
+    policy = MidEpochCheckpointPolicy(world_size=2, decide_every=4)
+    assert policy.decide(3, 3, False, can_save=True) == MidEpochDecision(False, False)
+    agreed = policy.decide(3, 3, False, can_save=True, agreed_stop=True)
+    assert agreed == MidEpochDecision(True, True)
+
+
 def test_stop_signals_remember_the_first_and_restore_the_handlers():
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as caught:

@@ -192,3 +192,24 @@ def test_sweep_experiment_lists_swept_hparams_first_and_test_metrics_only(tmp_pa
     assert [m.name.tag for m in experiment.metric_infos] == ["test/accuracy_percent"]
     precision = experiment.hparam_infos[0]
     assert sorted(v.string_value for v in precision.domain_discrete.values) == ["bf16", "fp32"]
+
+
+def test_the_ranks_stop_flag_is_read_with_the_batch_and_leaves_the_loss_scale_alone() -> None:
+    """DDP: the number of ranks that caught a signal rides with the batch's values; it is
+    read at the flush (not before), and the fp16 loss scale beside it still reads right."""
+    scales: list[float] = []
+
+    class Scales:
+        def log_scalars(self, scalars: dict[str, float], step: int) -> None:
+            scales.append(scalars["train/loss_scale"])
+
+    ledger = StepLedger(nonfinite_patience=3, tensorboard=Scales(), log_interval_steps=1)
+    step_info = StepInfo(grad_norm=torch.tensor(1.0), skipped=torch.tensor(False))
+    ledger.record(1, torch.tensor(0.5), step_info, torch.tensor(1024.0), torch.tensor(0.0))
+    ledger.flush()
+    assert not ledger.stop_requested
+    ledger.record(2, torch.tensor(0.5), step_info, torch.tensor(2048.0), torch.tensor(1.0))
+    assert not ledger.stop_requested  # pending: not read yet
+    ledger.flush()
+    assert ledger.stop_requested and ledger.optimizer_step == 2
+    assert scales == [1024.0, 2048.0]
