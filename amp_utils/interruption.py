@@ -1,7 +1,8 @@
 """Interruption: SIGTERM/SIGINT catching and the mid-epoch checkpoint policy.
 
 A preempted job (SLURM sends SIGTERM) or a Ctrl-C saves a checkpoint after the current
-batch and exits with :class:`TrainingInterrupted`; a second signal stops at once. Besides
+batch and exits with :class:`TrainingInterrupted`; a second signal stops at once (a SIGTERM
+repeated within 2 s, e.g. torchrun's forwarded copy, counts once). Besides
 signals, :class:`MidEpochCheckpointPolicy` asks for a checkpoint every N optimizer steps or
 every N minutes. Under DDP the ranks decide together, so that all of them save (and stop)
 after the same batch: a signal through the Brain's loss all-reduce (``agreed_stop``), the
