@@ -206,6 +206,8 @@ class Brain:
         self.train_stats = dict(TRAIN_STATS)
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._resume_grads: dict[str, Any] | None = None  # its accumulation window's
+        self._trained_batches = 0  # training batches of the epoch last trained
+        self._validation_pending = False  # saving after training, inside validation
         self._stop_flag: torch.Tensor | None = None  # DDP: this rank caught a signal (0/1)
         self._ranks_signalled: torch.Tensor | None = None  # the batch's sum over the ranks
         self._epoch_start = time.perf_counter()
@@ -759,6 +761,7 @@ class Brain:
         self.train_stats["time_s"] += epoch_time
         epoch_wait = self.train_stats["data_wait_s"] - wait_before
         self._report_data_wait(epoch, epoch_wait, epoch_time, train_set)
+        self._trained_batches = self.step  # a signal in validation resumes past them
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
@@ -794,6 +797,29 @@ class Brain:
         self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)
         self.step = 0
 
+    def _stop_in_validation(self, epoch: int) -> None:
+        """A signal during validation: save the trained epoch and exit now.
+
+        The epoch's checkpoint is written at the end of validation, which may outlast a
+        scheduler's grace period (a large validation set, decoding): the epoch's training
+        would be lost with it. Instead the run saves a mid-epoch checkpoint positioned after
+        the epoch's last training batch; the resumed run skips them all and validates the
+        epoch from its start. Single process only (DDP ranks would have to agree on the
+        batch; they finish validation and stop at the next training step).
+        """
+        if (
+            self.stop_signals.received is None
+            or self.distributed.world_size > 1
+            or self.checkpointer is None
+        ):
+            return
+        self._resume_step, self._validation_pending = self._trained_batches, True
+        try:
+            self._save_intra_epoch_ckpt()
+        finally:
+            self._resume_step, self._validation_pending = 0, False
+        raise interrupted_error(self.stop_signals.received, epoch, self._trained_batches)
+
     def _run_eval_loop(
         self, loader: DataLoader, stage: Stage, epoch: int | None, enable: bool
     ) -> float:
@@ -810,6 +836,8 @@ class Brain:
                 self.step += 1
                 loss = self.evaluate_batch(batch, stage)
                 stage_loss.add(float(loss))
+                if stage == Stage.VALID and epoch is not None:
+                    self._stop_in_validation(epoch)
                 self.stall_watchdog.beat()
         if self.distributed.world_size > 1:  # each rank saw its own shard of the split
             totals = all_reduce_counts(
@@ -884,7 +912,8 @@ class Brain:
     def state_dict(self) -> dict[str, Any]:
         """Loop position, counters and RNG states, saved with every checkpoint."""
         train_stats = dict(self.train_stats)
-        if self._resume_step > 0:  # mid-epoch: the epoch's training time so far counts too
+        if self._resume_step > 0 and not self._validation_pending:
+            # mid-epoch: the epoch's training time so far counts too
             train_stats["time_s"] += time.perf_counter() - self._epoch_start
         state = {
             "step": self._resume_step,

@@ -667,6 +667,61 @@ def test_an_epoch_end_checkpoint_drops_the_unfinished_window_as_the_next_epoch_d
         assert torch.equal(p, q)
 
 
+def preempted_in_validation(ckpt_dir, signal_in_epoch=None, seen=None) -> ShuffledRegression:
+    """Two epochs of 12 training and 10 validation batches; SIGTERM during the first
+    validation batch of epoch ``signal_in_epoch``. ``seen`` collects the validation
+    batches run, as (epoch, batch)."""
+
+    class Preempted(ShuffledRegression):
+        def evaluate_batch(self, batch, stage):
+            loss = super().evaluate_batch(batch, stage)
+            if stage == Stage.VALID and seen is not None:
+                seen.append((self._epoch_counter.current, self.step))
+                if (self._epoch_counter.current, self.step) == (signal_in_epoch, 1):
+                    seen.append(self.train_stats["time_s"])  # the trained epochs' time
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return loss
+
+    torch.manual_seed(11)
+    brain = Preempted(
+        {"model": make_model(dropout=0.3)},
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+        run_opts=run_opts(),
+        checkpointer=Checkpointer(ckpt_dir),
+    )
+    brain.fit(
+        EpochCounter(2),
+        DataLoader(make_data(48), batch_size=4),
+        valid_set=DataLoader(make_data(40), batch_size=4),
+    )
+    return brain
+
+
+def test_a_signal_during_validation_saves_the_trained_epoch_at_once_and_resumes_exactly(
+    tmp_path,
+):
+    """The epoch's own checkpoint comes only after validation, which can outlast a
+    scheduler's grace period: the trained epoch would be lost. A signal in validation
+    saves at once (after that validation batch, not 10); the resumed run skips the
+    epoch's 12 trained batches, validates epoch 1 in full and ends as an uninterrupted
+    run does."""
+    reference = preempted_in_validation(tmp_path / "ref")
+    seen: list[tuple[int, int]] = []
+    with pytest.raises(TrainingInterrupted, match="epoch 1, batch 12"):
+        preempted_in_validation(tmp_path / "run", signal_in_epoch=1, seen=seen)
+    assert seen[0] == (1, 1) and len(seen) == 2
+    [saved] = Checkpointer(tmp_path / "run").list_checkpoints()
+    assert not saved.end_of_epoch
+    state = read_state(saved.path / STATE_FILE)["state"]["brain"]
+    assert state["train_stats"]["time_s"] == seen[1]  # not the validation's time on top
+    seen.clear()
+    resumed = preempted_in_validation(tmp_path / "run", seen=seen)
+    assert [batch for epoch, batch in seen if epoch == 1] == list(range(1, 11))
+    assert resumed.optimizer_step == reference.optimizer_step == 24
+    for p, q in zip(params_of(reference), params_of(resumed), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_a_checkpoint_at_an_accumulation_boundary_holds_no_gradients(tmp_path):
     brain = RegressionBrain(
         {"model": make_model()}, sgd(), run_opts=run_opts(grad_accumulation_factor=2)
