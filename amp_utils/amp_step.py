@@ -98,6 +98,15 @@ class AMPOptimizerStep:
             finite if self._window_finite is None else self._window_finite & finite
         )
 
+    def window_finite(self) -> bool | None:
+        """Whether every loss observed since the last step was finite; None before the
+        first. Reads the device (for a checkpoint taken inside an accumulation window)."""
+        return None if self._window_finite is None else bool(self._window_finite)
+
+    def restore_window(self, finite: bool | None, device: torch.device) -> None:
+        """Set what :meth:`window_finite` returned, on resuming inside the window."""
+        self._window_finite = None if finite is None else torch.tensor(finite, device=device)
+
     def step(self, optimizers: Iterable[torch.optim.Optimizer]) -> StepInfo | None:
         """Unscale, clip all parameter groups, step unless skipped, update, zero grads.
 

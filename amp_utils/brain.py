@@ -205,7 +205,7 @@ class Brain:
         self.step = 0  # batches done in the current stage
         self.train_stats = dict(TRAIN_STATS)
         self._resume_step = 0  # training batches already done in the interrupted epoch
-        self._resume_grads: dict[str, Any] | None = None  # its accumulation window's
+        self._resume_grads: dict[str, Any] | None = None  # its unfinished window's gradients
         self._trained_batches = 0  # training batches of the epoch last trained
         self._validation_pending = False  # saving after training, inside validation
         self._stop_flag: torch.Tensor | None = None  # DDP: this rank caught a signal (0/1)
@@ -995,7 +995,6 @@ class Brain:
         grads = [p.grad for p in self._optimized_params()]
         if all(g is None for g in grads):
             return None
-        finite = self.amp_step._window_finite
         if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
             # The window's step will be skipped (a checkpoint holds no NaN/Inf): keep only
             # that. fp16's scaler backs off as after the overflow; fp32/bf16 without
@@ -1003,7 +1002,7 @@ class Brain:
             return {"grads": None, "window_finite": False}
         return {
             "grads": [None if g is None else g.detach().clone() for g in grads],
-            "window_finite": None if finite is None else bool(finite),
+            "window_finite": self.amp_step.window_finite(),
         }
 
     def _restore_pending_grads(self) -> None:
@@ -1024,10 +1023,7 @@ class Brain:
             )
         for p, g in zip(params, grads, strict=True):
             p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
-        if pending["window_finite"] is not None:
-            self.amp_step._window_finite = torch.tensor(
-                pending["window_finite"], device=self.device
-            )
+        self.amp_step.restore_window(pending["window_finite"], self.device)
 
     def _restored_train_stats(self, state: dict[str, Any]) -> dict[str, float]:
         """This rank's training stats from a checkpoint; under another world size, rank 0

@@ -19,7 +19,7 @@ from amp_utils import (
     Stage,
     TrainingInterrupted,
 )
-from amp_utils.checkpoint import STATE_FILE, read_state
+from amp_utils.checkpoint import STATE_FILE, CheckpointError, read_state
 from amp_utils.precision import ONEDNN_CACHE_VARIABLE, PrecisionNotSupportedError
 from data.sampler import DurationBatchSampler
 
@@ -720,6 +720,16 @@ def test_a_signal_during_validation_saves_the_trained_epoch_at_once_and_resumes_
     assert resumed.optimizer_step == reference.optimizer_step == 24
     for p, q in zip(params_of(reference), params_of(resumed), strict=True):
         assert torch.equal(p, q)
+
+
+def test_window_gradients_that_do_not_fit_the_model_are_refused_clearly():
+    brain = RegressionBrain(
+        {"model": make_model()}, sgd(), run_opts=run_opts(grad_accumulation_factor=2)
+    )
+    brain.on_fit_start()
+    brain._resume_grads = {"grads": [torch.zeros(3)], "window_finite": True}
+    with pytest.raises(CheckpointError, match="unfinished accumulation window"):
+        brain._restore_pending_grads()
 
 
 def test_a_checkpoint_at_an_accumulation_boundary_holds_no_gradients(tmp_path):
