@@ -207,7 +207,6 @@ class Brain:
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._resume_grads: dict[str, Any] | None = None  # its unfinished window's gradients
         self._trained_batches = 0  # training batches of the epoch last trained
-        self._validation_pending = False  # saving after training, inside validation
         self._stop_flag: torch.Tensor | None = None  # DDP: this rank caught a signal (0/1)
         self._ranks_signalled: torch.Tensor | None = None  # the batch's sum over the ranks
         self._epoch_start = time.perf_counter()
@@ -748,11 +747,11 @@ class Brain:
                 self._resume_step = self.step
                 if self.step % self.run_opts.log_interval_steps == 0:
                     bar.set_postfix(train_loss=f"{self.avg_train_loss:.4f}", refresh=False)
-                if self.step % self.run_opts.grad_accumulation_factor == 0:
-                    self._maybe_save_intra_epoch()
-                elif self.stop_signals.received is not None and self.distributed.world_size == 1:
-                    # Mid-accumulation: the workers may have ended with the signal, so
-                    # save now (with the window's gradients) instead of at the next step.
+                # After a signal a single process saves inside an accumulation window
+                # too (with the window's gradients) instead of at the next step.
+                if self.step % self.run_opts.grad_accumulation_factor == 0 or (
+                    self.stop_signals.received is not None and self.distributed.world_size == 1
+                ):
                     self._maybe_save_intra_epoch()
         self.flush_pending()
         if self.device_type == "cuda":
@@ -813,11 +812,11 @@ class Brain:
             or self.checkpointer is None
         ):
             return
-        self._resume_step, self._validation_pending = self._trained_batches, True
+        self._resume_step = self._trained_batches
         try:
             self._save_intra_epoch_ckpt()
         finally:
-            self._resume_step, self._validation_pending = 0, False
+            self._resume_step = 0
         raise interrupted_error(self.stop_signals.received, epoch, self._trained_batches)
 
     def _run_eval_loop(
@@ -912,8 +911,9 @@ class Brain:
     def state_dict(self) -> dict[str, Any]:
         """Loop position, counters and RNG states, saved with every checkpoint."""
         train_stats = dict(self.train_stats)
-        if self._resume_step > 0 and not self._validation_pending:
-            # mid-epoch: the epoch's training time so far counts too
+        if self._resume_step > 0 and self._stage == Stage.TRAIN:
+            # mid-epoch: the epoch's training time so far counts too (in validation the
+            # trained epoch's time is already in train_stats)
             train_stats["time_s"] += time.perf_counter() - self._epoch_start
         state = {
             "step": self._resume_step,

@@ -36,13 +36,15 @@ class StopSignals:
     cannot be caught and the context does nothing.
 
     A signal sent to the whole process group (SLURM's preemption signals every process of
-    the job; so do ``timeout`` and Ctrl-C) also ends the DataLoader workers, and PyTorch's
-    SIGCHLD handler would then raise "DataLoader worker ... is killed by signal" in the
-    middle of the batch, before the checkpoint. After the first signal the workers' ends
-    are expected: SIGCHLD gets its default handling until the context exits. The loop
-    asks for no batch after the signal: inside a gradient-accumulation window it saves
-    the window's gradients with the checkpoint instead of waiting for the window's last
-    batch (single process; DDP ranks stop together at an optimizer step).
+    the job; so do ``timeout`` and Ctrl-C) also ends DataLoader workers that do not ignore
+    it (``amp_utils.loaders.tied_worker_init`` makes them ignore it; a caller's own loader
+    may not), and PyTorch's SIGCHLD handler would then raise "DataLoader worker ... is
+    killed by signal" in the middle of the batch, before the checkpoint. After the first
+    signal the workers' ends are expected: SIGCHLD gets its default handling until the
+    context exits. The loop asks for no batch after the signal: inside a
+    gradient-accumulation window it saves the window's gradients with the checkpoint
+    instead of waiting for the window's last batch (single process; DDP ranks stop
+    together at an optimizer step).
     """
 
     #: A repeated SIGTERM this soon after the first is the same request, not a second one:

@@ -58,11 +58,11 @@ def tied_worker_init(then: Callable[[int], None] | None = None) -> Callable[[int
     under a fork server (the worker's parent is not this process), nothing changes.
 
     A worker so tied ignores SIGTERM and SIGINT. SLURM's preemption, ``timeout`` and
-    Ctrl-C signal the whole process group; workers that died of it left the loop without
-    the batches it still had to train before its checkpoint (under DDP the ranks stop
-    together at a decision point up to ``log_interval_steps`` batches later, and their
-    gradient all-reduce cannot wait for a rank whose loader broke). The training process
-    handles the signal; its workers end when it shuts them down or dies.
+    Ctrl-C signal the whole process group, and torchrun forwards SIGTERM to each rank's
+    process group; workers that died of it left the loop without the batches it still had
+    to train before its checkpoint (under DDP the ranks stop together a step or two later,
+    and their gradient all-reduce cannot wait for a rank whose loader broke). The training
+    process handles the signal; its workers end when it shuts them down or dies.
     ``then(worker_id)`` runs afterwards (a caller's own ``worker_init_fn``).
     """
     _kill_workers_left_at_exit()

@@ -431,6 +431,20 @@ def test_resume_mid_epoch_gives_identical_weights(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_a_mid_epoch_checkpoint_counts_the_epochs_training_time_so_far(tmp_path):
+    """train_stats gains an epoch's time at its end; a checkpoint inside the epoch adds the
+    time trained so far, or a resumed run would under-report its training time."""
+    with pytest.raises(StopAfter):
+        train_shuffled(tmp_path / "run", stop_at=(2, 5))
+    states = [
+        read_state(c.path / STATE_FILE)["state"]
+        for c in Checkpointer(tmp_path / "run").list_checkpoints()
+    ]
+    [epoch_end] = [s for s in states if s["brain"]["step"] == 0]
+    [mid_epoch] = [s for s in states if s["brain"]["step"] == 4]
+    assert mid_epoch["brain"]["train_stats"]["time_s"] > epoch_end["brain"]["train_stats"]["time_s"]
+
+
 def fit_duration_batched(ckpt_dir, sampler_skips, stop_at=None, progressbar=False):
     """Two epochs of 12 batches, a checkpoint per step; dies before batch ``stop_at``.
 

@@ -414,8 +414,8 @@ def test_ddp_ranks_stop_within_two_steps_of_a_signal_between_joint_decisions(
 def test_a_signal_to_the_whole_ddp_job_checkpoints_and_resumes(prepared_digits, tmp_path):  # noqa: F811
     """A SIGTERM to torchrun's process group (``timeout``, Ctrl-C, a job's preemption):
     torchrun forwards it to each rank's own process group, which holds the rank's
-    DataLoader workers. The ranks go on to their next joint decision point (up to 4
-    batches here), so their workers must not have died of it: both ranks save one
+    DataLoader workers. The ranks train on until they all know of the signal (a step or
+    two), so their workers must not have died of it: both ranks save one
     checkpoint, say how to resume and leave no process behind; the same command then
     resumes (and its workers, which ignore SIGTERM, do not hang its exit)."""
     from tests.test_kill_resume import child_pids, kill_group, still_running

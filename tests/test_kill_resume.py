@@ -325,11 +325,11 @@ def test_a_signal_to_the_whole_process_group_checkpoints_and_resumes(
 ):
     """Slurm's preemption, ``timeout`` and Ctrl-C signal every process of the job, the
     DataLoader workers too. The run must still save after its batch and say how to resume
-    (not crash because its workers died), leave no worker behind, and resume.
+    (not crash for want of its workers' batches), leave no worker behind, and resume.
 
     With accumulation over 8 batches (a step every 8th of ~15 batches per epoch) the signal
-    most likely lands inside a window: the run may not wait for the window's last batch
-    from workers that are gone."""
+    most likely lands inside a window: the run saves after that batch, not at the
+    window's end."""
     scenario = draw(SEED, kills=1)
     manifests = write_subset(prepared, tmp_path)
     run_dir = tmp_path / "run"
