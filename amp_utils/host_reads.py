@@ -103,6 +103,13 @@ class HostReads(TorchDispatchMode):
     Function's backward calling them from the autograd engine's thread). It does not see
     host-to-device copies of host data (``torch.tensor(..., device="cuda")``): on the CPU
     there is no device to copy to.
+
+    ``torch.compile``d code runs eagerly inside it (``torch.compiler.set_stance
+    ("force_eager")``), so the reads it sees are those of the eager code. Without the
+    stance, TorchDynamo meets a frame under a dispatch mode, skips it, and never compiles
+    that code again, in or out of the mode: one checked step left regionally compiled
+    Conformer blocks eager for the rest of the run (the 2026-11-26 H200 captured 6,282
+    eager kernels per Conformer-M step instead of the compiled ones).
     """
 
     _PATCHED = ("tolist", "numpy")
@@ -112,6 +119,7 @@ class HostReads(TorchDispatchMode):
         self.found: list[HostRead] = []
         self._saved: dict[str, Any] = {}
         self._thread = threading.get_ident()
+        self._stance: Any = None
 
     def record(self, what: str) -> None:
         self.found.append(HostRead(what, _user_frame()))
@@ -130,6 +138,8 @@ class HostReads(TorchDispatchMode):
 
     def __enter__(self) -> HostReads:
         self._thread = threading.get_ident()
+        self._stance = torch.compiler.set_stance("force_eager")
+        self._stance.__enter__()
         super().__enter__()
         for name in self._PATCHED:
             original = getattr(torch.Tensor, name)
@@ -142,6 +152,9 @@ class HostReads(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             self._restore()
+            stance, self._stance = self._stance, None
+            if stance is not None:
+                stance.__exit__(*exc)
 
     def _restore(self) -> None:
         for name, original in self._saved.items():

@@ -89,3 +89,49 @@ def test_other_threads_are_not_watched() -> None:
         thread.start()
         thread.join()
     assert reads.found == []
+
+
+def _counting_backend(calls: list[int]):
+    """A torch.compile backend that runs the traced graph and counts each run."""
+
+    def backend(graph_module, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return graph_module.forward(*args)
+
+        return run
+
+    return backend
+
+
+class _Block(torch.nn.Module):
+    """A user-defined block (TorchDynamo does not trace ``torch.nn`` containers compiled in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.linear(x))
+
+
+def test_compiled_code_checked_under_it_stays_compiled_afterwards() -> None:
+    """Inside HostReads compiled code runs eagerly (its reads are still found); afterwards
+    it runs compiled again. TorchDynamo skipped a frame met under the dispatch mode and
+    never compiled it again: one checked warm-up step of ``graph_step`` left the compiled
+    Conformer blocks eager in every captured step (2026-11-26 H200 profile)."""
+    torch._dynamo.reset()
+    calls: list[int] = []
+    block = _Block()
+    block.compile(backend=_counting_backend(calls), dynamic=True)
+    inp = torch.randn(3, 6)
+    block(inp)
+    assert len(calls) == 1  # compiled and run
+    with HostReads() as reads:
+        float(block(inp).detach().sum())
+    assert len(calls) == 1, "compiled code ran under the dispatch mode"
+    assert reads.found and "_local_scalar_dense" in reads.found[0].what
+    block(inp)
+    block(torch.randn(5, 6))  # a new shape: the dynamic graph serves it
+    assert len(calls) == 3, "compiled code no longer runs after a HostReads check"
+    torch._dynamo.reset()

@@ -75,6 +75,37 @@ def test_without_capture_every_step_runs_the_body_eagerly() -> None:
         StepGraphs(body, clone_tensors, lambda s, b: None, warmup_steps=0, capture=False)
 
 
+class _Doubler(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_compiled_modules_stay_compiled_after_the_checked_warm_up_step() -> None:
+    """The last warm-up step of a shape runs under HostReads; the steps after it (the
+    capture and the replays on CUDA, eager steps here) must still run the compiled code.
+    On the 2026-11-26 H200 they did not: Conformer-M's compiled blocks ran eagerly inside
+    every captured step (no inductor kernel in the profile, 37 ms instead of ~24 ms)."""
+    torch._dynamo.reset()
+    runs: list[int] = []
+
+    def backend(graph_module, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return graph_module.forward(*args)
+
+        return run
+
+    module = _Doubler()
+    module.compile(backend=backend, dynamic=True)
+    graphs = StepGraphs(
+        lambda batch: module(batch.x).sum(), clone_tensors, lambda s, b: None, capture=False
+    )
+    for _ in range(5):  # warm-up, checked warm-up, then the steps a GPU would capture
+        graphs(_Batch(torch.ones(4), []))
+    assert len(runs) == 4, f"compiled code ran in {len(runs)} of 4 unchecked steps"
+    torch._dynamo.reset()
+
+
 class _FakeCuda:
     """Stand-ins for the ``torch.cuda`` graph API, so that the bookkeeping of
     :class:`StepGraphs` runs on a CPU: a "capture" runs the body with ``capturing`` set
