@@ -105,7 +105,7 @@ def _counting_backend(calls: list[int]):
 
 
 class _Block(torch.nn.Module):
-    """A user-defined block (TorchDynamo does not trace ``torch.nn`` containers compiled in place)."""
+    """A user-defined block (TorchDynamo does not trace torch.nn containers compiled in place)."""
 
     def __init__(self) -> None:
         super().__init__()
