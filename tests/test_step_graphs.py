@@ -602,6 +602,54 @@ def test_captured_steps_train_as_eager_steps_on_cuda(
     assert graphed.optimizer_step == eager.optimizer_step
 
 
+_COMPILED_BLOCKS = (
+    "trainer.compile=true",
+    "trainer.compile_regions=true",
+    "trainer.compile_mode=default",  # inductor kernels, no CUDA graphs of its own
+)
+
+
+def test_the_compiled_blocks_config_composes() -> None:
+    cfg = compose_config(
+        [
+            *FAST,
+            "fast_path=step_graphs",
+            *_no_noise("conformer_ctc", "device=cuda"),
+            *_COMPILED_BLOCKS,
+        ]
+    )
+    validate_config(cfg)
+    assert cfg.trainer.graph_step and cfg.trainer.compile
+
+
+@pytest.mark.gpu
+def test_captured_steps_replay_the_compiled_blocks_kernels(
+    fsdd_root, prepared, tmp_path, cuda_device
+):
+    """With compiled encoder blocks, the captured step replays inductor's kernels (not the
+    eager ones) and trains as the eager compiled step does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    extra = _no_noise(
+        "conformer_ctc", "device=cuda", "precision=bf16", "precision.allow_tf32=false"
+    )
+    eager, data = _brain(fsdd_root, prepared, tmp_path / "a", *extra, "trainer.graph_step=false")
+    graphed, _ = _brain(fsdd_root, prepared, tmp_path / "b", *extra, *_COMPILED_BLOCKS)
+    eager.on_fit_start()
+    graphed.on_fit_start()
+    batch = next(iter(data.train))
+    batches = [batch] * 5  # two warm-up steps, the capture, two replays
+    expected, got = _train(eager, batches), _train(graphed, batches)
+    assert graphed.step_graph_stats() == {"graphs": 1, "replays": 3, "eager_steps": 2}
+    assert got == pytest.approx(expected, rel=2e-2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graphed.train_step(batch)
+        graphed.flush_pending()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any(name.startswith("triton_") for name in kernels), sorted(set(kernels))[:20]
+
+
 @pytest.mark.gpu
 def test_replayed_steps_never_wait_for_the_gpu(fsdd_root, prepared, tmp_path, cuda_device):
     brain, data = _brain(fsdd_root, prepared, tmp_path, "device=cuda", "precision=bf16")
