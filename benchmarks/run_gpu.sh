@@ -21,15 +21,19 @@
 # Each part runs under its own time limit inside one deadline; what a part finished is kept.
 # A lease is 15 minutes of device time, the machine's start (1-2 min) included, and a command
 # at most 10 minutes: the default DEADLINE fits one command, and the default PARTS puts first
-# what no lease has measured yet: whole-step CUDA graphs (the small recipe's 1.3x target),
-# then the accuracy of bf16/fp16 against fp32 on a trained model.
-# Next lease (~900 s with the start): command 1 the defaults (bench_graphs, graph_tests and
-# the sweep fit DEADLINE 560; the rest is reported skipped), command 2 with what is left:
-#   PARTS="bench_m_graphs bench_graphs_compiled bench_m" DEADLINE=<left - 60> \
-#     bash benchmarks/gpu_lease.sh
-# On the 2026-11-26 H200 (commit 792da4a): the sweep took 288 s (1500 steps; none of its
-# models learned at Conformer-M's former lr 1e-3, now 5e-4), bench_small ~65 s per precision
-# (its compile), bench_m's fp32 and TF32 rows ~117 s, gpu_tests 20 of 26 in 85 s.
+# what no lease has measured yet. The second 2026-11-26 H200 lease (commit fa21b34) found
+# that the captured steps ran no compiled code (HostReads' dispatch mode made TorchDynamo
+# skip the compiled blocks and the CTC update for good; fixed in 0a79b3a), so: graph_tests
+# (it checks that a replay runs inductor kernels), then Conformer-M and the small recipe with
+# whole-step graphs again, then the small recipe with compiled blocks inside the graph.
+# The accuracy sweep was measured then (bf16/fp16/fp32 test WER 0.62/0.82/0.95 %) and
+# comes last.
+# Next lease (~900 s with the start): command 1 the defaults; command 2 with what is left:
+#   PARTS="bench_m gpu_tests" DEADLINE=<left - 60> bash benchmarks/gpu_lease.sh
+# Timings on the H200: bench_graphs 72 s; graph_tests 96 s (before its compiled-blocks test);
+# the sweep 272 s (1500 steps); bench_m_graphs ~60 s per variant (fp32, TF32, bf16: the
+# first compile of each); bench_small ~65 s per precision; bench_m's fp32 and TF32 rows
+# ~117 s; gpu_tests 20 of 26 in 85 s.
 # Run from the repo root with the project importable
 # (pip install -e . or PYTHONPATH=.) and FSDD_ROOT set. The lent GPU machine lacks
 # flashlight-text (the lexicon decoder, a core dependency; the GPU tests train with it):
@@ -64,10 +68,11 @@ SWEEP_LIMIT=${SWEEP_LIMIT:-400}    # seconds for the sweep (each run, if not par
 M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of bench_m
 BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader rows
 BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
-BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-200}  # seconds for bench_m_graphs (not measured yet)
+BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-230}  # seconds for bench_m_graphs (3 variants, ~60-95 s each)
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
-BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-130}  # seconds for bench_graphs (not measured yet)
-GRAPH_TESTS_LIMIT=${GRAPH_TESTS_LIMIT:-110}    # seconds for graph_tests (with these two, the sweep keeps >= 320 s)
+BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s on the H200)
+BENCH_GRAPHS_COMPILED_LIMIT=${BENCH_GRAPHS_COMPILED_LIMIT:-140}  # fp32 and bf16, ~65 s each (compile)
+GRAPH_TESTS_LIMIT=${GRAPH_TESTS_LIMIT:-125}    # seconds for graph_tests (96 s before its compiled-blocks test)
 GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
@@ -76,7 +81,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"bench_graphs graph_tests sweep bench_m_graphs bench_graphs_compiled bench_m gpu_tests bench_small"}
+PARTS=${PARTS:-"graph_tests bench_m_graphs bench_graphs bench_graphs_compiled bench_m gpu_tests sweep bench_small"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -142,8 +147,9 @@ part_bench_graphs() {
     benchmark.precisions="$SMALL_PRECISIONS" benchmark.modes="$SMALL_MODES" benchmark.profile_steps=3
 }
 part_bench_graphs_compiled() {
-  bench_small_run bench_graphs_compiled "$BENCH_GRAPHS_LIMIT" fast_path=step_graphs $COMPILED_GRAPHS \
-    benchmark.precisions=[fp32,bf16] benchmark.modes="$SMALL_MODES"
+  bench_small_run bench_graphs_compiled "$BENCH_GRAPHS_COMPILED_LIMIT" fast_path=step_graphs \
+    $COMPILED_GRAPHS benchmark.precisions=[fp32,bf16] benchmark.modes="$SMALL_MODES" \
+    benchmark.profile_steps=3
 }
 part_bench_small_eager() {
   bench_small_run bench_small_eager 35 benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader]
@@ -228,6 +234,10 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     "$WORK"/sweep_gpu_asr/summary.md "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do
     [ -f "$md" ] && { echo "== $md"; cat "$md"; }
+  done
+  for profile in "$WORK"/bench_*graphs*/profile_brain_*.txt; do  # compiled code in the graph?
+    [ -f "$profile" ] && echo "$(basename "$(dirname "$profile")")/$(basename "$profile"):" \
+      "$(grep -c '^ *triton_' "$profile") inductor kernels among the top ops;" "$(head -1 "$profile")"
   done
   for log in "$WORK/graph_tests.log" "$WORK/gpu_tests.log"; do
     [ -f "$log" ] && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$log"
