@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.precision import resolve_device
-from recipes.benchmarking import run_benchmark, step_graph_notes, summarize
+from recipes.benchmarking import compile_notes, run_benchmark, step_graph_notes, summarize
 from recipes.config import exit_on_unknown_override_keys, register_resolvers, validate_config
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain, device_name, seed_everything
@@ -52,7 +52,10 @@ def benchmark(cfg: DictConfig) -> list[dict]:
         table = summarize(timed)
         notes = sorted({f"{r['mode']}: {n}" for r in timed for n in r.get("notes", [])})
         skipped = [f"{r['mode']} {r['precision']}: {r['skipped']}" for r in rows if "skipped" in r]
-        footer = "".join(f"\n- {line}" for line in notes + step_graph_notes(timed) + skipped)
+        footer = "".join(
+            f"\n- {line}"
+            for line in notes + step_graph_notes(timed) + compile_notes(timed) + skipped
+        )
         atomic_write_text(out / "benchmark.md", header + table + "\n" + footer + "\n")
         atomic_write_json(
             out / "benchmark.json",

@@ -168,14 +168,31 @@ class OpTime(NamedTuple):
     calls: float
 
 
+def compiled_code_calls(averages: Any) -> int:
+    """How often compiled code ran in a profile (``prof.key_averages()``): TorchDynamo's
+    "Torch-Compiled Region" events, plus inductor's ``triton_*`` kernels on CUDA -- the only
+    trace compiled code leaves inside a replayed CUDA graph, where no host event runs.
+
+    0 with ``trainer.compile`` on means the modules ran eagerly: on the 2026-11-26 H200
+    every captured step did (a dispatch mode had made TorchDynamo skip them for good), and
+    nothing said so until the kernel names were read."""
+    return sum(
+        e.count
+        for e in averages
+        if e.key.startswith("Torch-Compiled Region")
+        or (e.device_type == DeviceType.CUDA and e.key.startswith("triton_"))
+    )
+
+
 def profile_steps(
     step: Callable[[AudioBatch], None],
     batches: Iterator[AudioBatch],
     steps: int,
     device: torch.device,
-) -> tuple[str, dict[str, OpTime]]:
+) -> tuple[str, dict[str, OpTime], float]:
     """``torch.profiler`` summary of ``steps`` steps (launches per step and the top ops),
-    and each op's self time per step: the device's on CUDA (kernels), else the CPU's."""
+    each op's self time per step (the device's on CUDA: kernels; else the CPU's), and the
+    calls of compiled code per step (:func:`compiled_code_calls`)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -186,10 +203,12 @@ def profile_steps(
     averages = prof.key_averages()
     kernels = sum(e.count for e in averages if e.device_type == DeviceType.CUDA)
     aten_ops = sum(e.count for e in averages if e.key.startswith("aten::"))
+    compiled = compiled_code_calls(averages) / steps
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     summary = (
         f"{steps} profiled steps on {device}; per step: {kernels / steps:.0f} GPU kernel "
-        f"launches, {aten_ops / steps:.0f} aten op calls; sorted by {sort_by}\n\n"
+        f"launches, {aten_ops / steps:.0f} aten op calls, {compiled:.0f} compiled-code calls "
+        f"(compiled regions, inductor kernels); sorted by {sort_by}\n\n"
         + averages.table(sort_by=sort_by, row_limit=25)
     )
     ops = {
@@ -197,7 +216,7 @@ def profile_steps(
         for e in averages
         if getattr(e, sort_by) > 0
     }
-    return summary, ops
+    return summary, ops, compiled
 
 
 def compare_profiles(
@@ -433,19 +452,22 @@ def run_benchmark(
                 row = _peer_row(mode, precision, tf32, cfg, brain, build_modules, batch, flops)
                 rows.append(row)
                 continue
+            row_extra: dict[str, Any] = {}
             for extra in extra_warmup:
                 step(extra)
             stats = time_steps(step, batches, warmup, steps, brain.device)
             if cfg.benchmark.profile_steps > 0 and profile_dir is not None:
-                summary, ops = profile_steps(
+                summary, ops, compiled = profile_steps(
                     step, batches, cfg.benchmark.profile_steps, brain.device
                 )
+                if run_cfg.trainer.compile:
+                    row_extra["compiled_calls_per_step"] = compiled
                 atomic_write_text(profile_dir / f"profile_{mode}_{variant}.txt", summary)
                 profiles.setdefault(mode, {})[variant] = ops
             brain.flush_pending()
             if mode in ("bare", "brain"):  # synthetic batches
                 stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
-            row = _row(mode, precision, tf32, stats, flops, batch, brain.device)
+            row = _row(mode, precision, tf32, stats, flops, batch, brain.device) | row_extra
             if mode != "bare" and run_cfg.trainer.graph_step:
                 # So far in this precision (the modes share one Brain); None: not in use.
                 row["step_graphs"] = brain.step_graph_stats()
@@ -476,6 +498,26 @@ def step_graph_notes(rows: list[dict[str, Any]]) -> list[str]:
             else "not in use (the log says why)"
         )
         notes.append(f"{row['mode']} {row['precision']}: whole-step CUDA graphs {what}")
+    return notes
+
+
+def compile_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per profiled row with ``trainer.compile`` on: whether its steps ran
+    compiled code, and a warning where they did not."""
+    notes = []
+    for row in rows:
+        calls = row.get("compiled_calls_per_step")
+        if calls is None:
+            continue
+        name = f"{row['mode']} {row['precision']}"
+        if calls > 0:
+            notes.append(f"{name}: compiled code ran ({calls:.0f} calls per profiled step)")
+        else:
+            notes.append(
+                f"{name}: WARNING: trainer.compile is on, but no compiled code ran in the "
+                "profiled steps: the modules ran eagerly (TORCH_LOGS=recompiles,graph_breaks "
+                "shows what TorchDynamo skipped)"
+            )
     return notes
 
 

@@ -5,7 +5,13 @@ import json
 import pytest
 import torch
 
-from recipes.benchmarking import PEER_MODES, step_graph_notes, summarize
+from recipes.benchmarking import (
+    PEER_MODES,
+    compile_notes,
+    compiled_code_calls,
+    step_graph_notes,
+    summarize,
+)
 from tests.recipe_helpers import run_cli
 
 
@@ -72,6 +78,59 @@ def test_step_graph_notes_say_whether_rows_replayed_graphs():
         "brain bf16: whole-step CUDA graphs not in use (the log says why)",
         "staged bf16: whole-step CUDA graphs 9 graphs captured, 70 replays, 22 eager steps so far",
     ]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.linear(x))
+
+
+def _profiled(module: torch.nn.Module, steps: int = 2):
+    x = torch.randn(4, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            module(x).sum().backward()
+    return prof.key_averages()
+
+
+def test_compiled_code_calls_count_compiled_regions_and_not_eager_code():
+    """Compiled code shows in a profile; eager code, and compiled code that TorchDynamo has
+    come to skip (what a dispatch mode did to the captured steps on the H200), do not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch._dynamo.reset()
+    block = _Block()
+    assert compiled_code_calls(_profiled(block)) == 0
+    block.compile(backend="eager", dynamic=True)
+    block(torch.randn(4, 8))  # compile outside the profile
+    assert compiled_code_calls(_profiled(block, steps=3)) == 3
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    skipped = _Block()
+    skipped.compile(backend="eager", dynamic=True)
+    with Mode():
+        skipped(torch.randn(4, 8))  # TorchDynamo skips the frame, for good
+    assert compiled_code_calls(_profiled(skipped)) == 0
+    torch._dynamo.reset()
+
+
+def test_compile_notes_warn_when_no_compiled_code_ran():
+    rows = [
+        {"mode": "bare", "precision": "bf16", "compiled_calls_per_step": 64.0},
+        {"mode": "brain", "precision": "bf16", "compiled_calls_per_step": 0.0},
+        {"mode": "staged", "precision": "bf16"},  # not profiled, or compile off
+    ]
+    notes = compile_notes(rows)
+    assert notes[0] == "bare bf16: compiled code ran (64 calls per profiled step)"
+    assert notes[1].startswith("brain bf16: WARNING: trainer.compile is on, but no compiled")
+    assert len(notes) == 2
 
 
 def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
