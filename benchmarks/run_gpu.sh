@@ -29,7 +29,8 @@
 # The accuracy sweep was measured then (bf16/fp16/fp32 test WER 0.62/0.82/0.95 %) and
 # comes last.
 # Next lease (~900 s with the start): command 1 the defaults; command 2 with what is left:
-#   PARTS="bench_m gpu_tests" DEADLINE=<left - 60> bash benchmarks/gpu_lease.sh
+#   PARTS="bench_m_graphs gpu_tests" M_GRAPHS_PRECISIONS=[fp16] DEADLINE=<left - 60> \
+#     bash benchmarks/gpu_lease.sh      (fp16 of Conformer-M graphed, then the GPU tests)
 # Timings on the H200: bench_graphs 72 s; graph_tests 96 s (before its compiled-blocks test);
 # the sweep 272 s (1500 steps); bench_m_graphs ~60 s per variant (fp32, TF32, bf16: the
 # first compile of each); bench_small ~65 s per precision; bench_m's fp32 and TF32 rows
@@ -68,6 +69,7 @@ SWEEP_LIMIT=${SWEEP_LIMIT:-400}    # seconds for the sweep (each run, if not par
 M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of bench_m
 BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader rows
 BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
+M_GRAPHS_PRECISIONS=${M_GRAPHS_PRECISIONS:-[fp32,bf16]}  # of bench_m_graphs (fp32 brings TF32 too)
 BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-230}  # seconds for bench_m_graphs (3 variants, ~60-95 s each)
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
 BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s on the H200)
@@ -133,7 +135,8 @@ COMPILED_GRAPHS="trainer.compile=true trainer.compile_regions=true trainer.compi
 part_bench_m() { bench_m_run bench_m "$BENCH_M_LIMIT" benchmark.modes="$M_MODES"; }
 part_bench_m_graphs() {
   bench_m_run bench_m_graphs "$BENCH_M_GRAPHS_LIMIT" fast_path=step_graphs $COMPILED_GRAPHS \
-    benchmark.precisions=[fp32,bf16] benchmark.modes=[bare,brain,staged] benchmark.profile_steps=3
+    benchmark.precisions="$M_GRAPHS_PRECISIONS" benchmark.modes=[bare,brain,staged] \
+    benchmark.profile_steps=3
 }
 
 # the default small recipe: with the compiled fast path, with whole-step graphs (eager or
