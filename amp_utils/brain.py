@@ -28,6 +28,7 @@ bars and writes checkpoints (``Checkpointer`` is rank-aware).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -49,6 +50,7 @@ from amp_utils.distributed import (
     all_reduce_counts,
     all_reduce_max,
     all_reduce_sum,
+    any_rank,
     convert_sync_batchnorm,
     init_distributed,
     no_sync,
@@ -796,21 +798,23 @@ class Brain:
         self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)
         self.step = 0
 
-    def _stop_in_validation(self, epoch: int) -> None:
+    def _stop_in_validation(self, epoch: int, agreed: bool = False) -> None:
         """A signal during validation: save the trained epoch and exit now.
 
         The epoch's checkpoint is written at the end of validation, which may outlast a
         scheduler's grace period (a large validation set, decoding): the epoch's training
         would be lost with it. Instead the run saves a mid-epoch checkpoint positioned after
         the epoch's last training batch; the resumed run skips them all and validates the
-        epoch from its start. Single process only (DDP ranks would have to agree on the
-        batch; they finish validation and stop at the next training step).
+        epoch from its start. A single process stops on its own signal; DDP ranks stop
+        when ``agreed`` (any rank caught one: the validation loop asks after every round of
+        :meth:`_validation_rounds`), all after the same round, since saving is a collective.
         """
-        if (
-            self.stop_signals.received is None
-            or self.distributed.world_size > 1
-            or self.checkpointer is None
-        ):
+        if self.checkpointer is None:
+            return
+        if self.distributed.world_size > 1:
+            if not agreed:
+                return
+        elif self.stop_signals.received is None:
             return
         self._resume_step = self._trained_batches
         try:
@@ -818,6 +822,22 @@ class Brain:
         finally:
             self._resume_step = 0
         raise interrupted_error(self.stop_signals.received, epoch, self._trained_batches)
+
+    def _validation_rounds(self, loader: DataLoader) -> int | None:
+        """Under DDP, how many validation batches every rank steps through (the most any
+        rank has: evaluation shards may differ by a batch), so that the ranks can ask each
+        other after every batch whether to stop; None where that cannot be agreed (one
+        process, no checkpointer, a loader without a length)."""
+        if self.distributed.world_size == 1 or self.checkpointer is None:
+            return None
+        try:
+            batches = len(loader)
+        except TypeError:  # an iterable dataset: its length is not known
+            batches = -1
+        if self.run_opts.debug:
+            batches = min(batches, self.run_opts.debug_batches)
+        most, minus_fewest = all_reduce_max(torch.tensor([batches, -batches])).tolist()
+        return None if minus_fewest > 0 else int(most)
 
     def _run_eval_loop(
         self, loader: DataLoader, stage: Stage, epoch: int | None, enable: bool
@@ -828,14 +848,26 @@ class Brain:
         self.step = 0
         stage_loss = RunningMean()
         desc = f"epoch {self.epoch_label(epoch)} {stage.name.lower()}" if epoch else "test"
+        validating = stage == Stage.VALID and epoch is not None
+        rounds = self._validation_rounds(loader) if validating else None
+        batches: Iterable[Any] = loader
+        if rounds is not None:  # every rank the same number of rounds (None: no batch left)
+            batches = itertools.islice(itertools.chain(loader, itertools.repeat(None)), rounds)
         with torch.no_grad():
-            for batch in tqdm(loader, dynamic_ncols=True, disable=not enable, desc=desc):
-                if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
-                    break
-                self.step += 1
-                loss = self.evaluate_batch(batch, stage)
-                stage_loss.add(float(loss))
-                if stage == Stage.VALID and epoch is not None:
+            total = rounds if rounds is not None else None
+            for batch in tqdm(
+                batches, total=total, dynamic_ncols=True, disable=not enable, desc=desc
+            ):
+                if batch is not None:
+                    if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
+                        break
+                    self.step += 1
+                    loss = self.evaluate_batch(batch, stage)
+                    stage_loss.add(float(loss))
+                if rounds is not None:
+                    (agreed,) = any_rank(self.stop_signals.received is not None)
+                    self._stop_in_validation(epoch, agreed=agreed)
+                elif validating:
                     self._stop_in_validation(epoch)
                 self.stall_watchdog.beat()
         if self.distributed.world_size > 1:  # each rank saw its own shard of the split

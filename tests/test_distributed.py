@@ -12,6 +12,7 @@ import faulthandler
 import gc
 import json
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -21,8 +22,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.utils.data import DataLoader, TensorDataset
 
-from amp_utils import Brain, Checkpointer, DistributedConfigError, Stage
+from amp_utils import (
+    Brain,
+    Checkpointer,
+    DistributedConfigError,
+    EpochCounter,
+    Stage,
+    TrainingInterrupted,
+)
 from amp_utils.distributed import (
     DistributedInfo,
     all_reduce_counts,
@@ -118,12 +127,64 @@ def _checks(rank: int, tmp: Path) -> dict:
     except DistributedConfigError as err:
         report["sync_bn_error"] = str(err)
 
+    report["stopped_in_validation"] = _stop_in_validation(rank, tmp)
+
     # Speaker metrics: each rank counts its own shard; the reported accuracy is global.
     speaker = SpeakerBrain(modules={}, run_opts={"noprogressbar": True})
     speaker.correct, speaker.total = (9, 10) if rank == 0 else (1, 10)
     speaker.on_stage_end(Stage.TEST, 0.5, None)
     report["accuracy"] = speaker.test_metrics["accuracy"]
     return report
+
+
+def _stop_in_validation(rank: int, tmp: Path) -> dict:
+    """A SIGTERM to rank 1 alone, in its 2nd validation batch of epoch 1; rank 0 has 5
+    validation batches, rank 1 has 3 (evaluation shards may differ). Both ranks must stop
+    after the same round with one mid-epoch checkpoint positioned after the epoch's
+    training, then resume: epoch 1 validated in full, epoch 2 trained."""
+    seen: list[tuple[int, int]] = []
+    signalled = [False]
+
+    class Validating(TinyBrain):
+        def evaluate_batch(self, batch, stage):
+            loss = super().evaluate_batch(batch, stage)
+            if stage == Stage.VALID:
+                seen.append((self._epoch_counter.current, self.step))
+                if rank == 1 and self.step == 2 and not signalled[0]:
+                    signalled[0] = True
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return loss
+
+    def fit() -> Validating:
+        torch.manual_seed(0)
+        brain = Validating(
+            {"model": torch.nn.Linear(4, 2)},
+            opt_class=lambda p: torch.optim.SGD(p, lr=0.1),
+            run_opts={"noprogressbar": True},
+            checkpointer=Checkpointer(tmp / "ckpts_valid"),
+        )
+        gen = torch.Generator().manual_seed(rank)
+        data = TensorDataset(torch.randn(16, 4, generator=gen), torch.randn(16, 2, generator=gen))
+        valid = TensorDataset(
+            torch.randn(20 if rank == 0 else 12, 4), torch.randn(20 if rank == 0 else 12, 2)
+        )
+        brain.fit(EpochCounter(2), DataLoader(data, batch_size=4), DataLoader(valid, batch_size=4))
+        return brain
+
+    result: dict = {}
+    try:
+        fit()
+        result["error"] = None
+    except TrainingInterrupted as err:
+        result["error"] = str(err)
+    result["seen"] = list(seen)
+    checkpoints = Checkpointer(tmp / "ckpts_valid").list_checkpoints()
+    result["checkpoints"] = [(c.end_of_epoch, c.meta.get("intra_epoch")) for c in checkpoints]
+    seen.clear()
+    resumed = fit()
+    result["resumed_seen"] = list(seen)
+    result["resumed_steps"] = resumed.optimizer_step
+    return result
 
 
 def _worker(rank: int, port: int, tmp: str) -> None:
@@ -201,6 +262,24 @@ def test_plain_training_datasets_are_sharded(reports):
 
 def test_sync_batchnorm_on_cpu_fails_with_the_fix(reports):
     assert all("trainer.sync_batchnorm=false" in r["sync_bn_error"] for r in reports)
+
+
+def test_ddp_ranks_stop_together_when_one_is_signalled_in_validation(reports):
+    """The trained epoch is saved at once, not after validation; the ranks (with 5 and 3
+    validation batches) stop after the same round and resume exactly: epoch 1 validated
+    from its start, epoch 2 trained (4 batches of 4 per epoch and rank)."""
+    for report in reports:
+        stopped = report["stopped_in_validation"]
+        assert stopped["error"] and "epoch 1, batch 4" in stopped["error"], stopped
+        assert stopped["seen"] == [[1, 1], [1, 2]], stopped  # stopped after round 2
+        assert stopped["checkpoints"] == [[False, True]]  # one mid-epoch checkpoint
+        assert stopped["resumed_steps"] == 8
+    assert [v for v in reports[0]["stopped_in_validation"]["resumed_seen"] if v[0] == 1] == [
+        [1, b] for b in range(1, 6)
+    ]
+    assert [v for v in reports[1]["stopped_in_validation"]["resumed_seen"] if v[0] == 1] == [
+        [1, b] for b in range(1, 4)
+    ]
 
 
 def test_metric_counts_are_summed_over_ranks(reports):
