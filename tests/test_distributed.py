@@ -127,7 +127,9 @@ def _checks(rank: int, tmp: Path) -> dict:
     except DistributedConfigError as err:
         report["sync_bn_error"] = str(err)
 
-    report["stopped_in_validation"] = _stop_in_validation(rank, tmp)
+    report["stopped_in_validation"] = _stop_in_validation(rank, tmp, at=(1, 2))
+    # rank 0 signalled in its 4th batch, while rank 1 (3 batches) steps through empty rounds
+    report["stopped_after_a_shard_ended"] = _stop_in_validation(rank, tmp, at=(0, 4))
 
     # Speaker metrics: each rank counts its own shard; the reported accuracy is global.
     speaker = SpeakerBrain(modules={}, run_opts={"noprogressbar": True})
@@ -137,11 +139,12 @@ def _checks(rank: int, tmp: Path) -> dict:
     return report
 
 
-def _stop_in_validation(rank: int, tmp: Path) -> dict:
-    """A SIGTERM to rank 1 alone, in its 2nd validation batch of epoch 1; rank 0 has 5
-    validation batches, rank 1 has 3 (evaluation shards may differ). Both ranks must stop
-    after the same round with one mid-epoch checkpoint positioned after the epoch's
+def _stop_in_validation(rank: int, tmp: Path, at: tuple[int, int]) -> dict:
+    """A SIGTERM to one rank alone, ``at`` = (rank, its validation batch) of epoch 1; rank 0
+    has 5 validation batches, rank 1 has 3 (evaluation shards may differ). Both ranks must
+    stop after the same round with one mid-epoch checkpoint positioned after the epoch's
     training, then resume: epoch 1 validated in full, epoch 2 trained."""
+    ckpt_dir = tmp / f"ckpts_valid_{at[0]}_{at[1]}"
     seen: list[tuple[int, int]] = []
     signalled = [False]
 
@@ -150,7 +153,7 @@ def _stop_in_validation(rank: int, tmp: Path) -> dict:
             loss = super().evaluate_batch(batch, stage)
             if stage == Stage.VALID:
                 seen.append((self._epoch_counter.current, self.step))
-                if rank == 1 and self.step == 2 and not signalled[0]:
+                if (rank, self.step) == at and not signalled[0]:
                     signalled[0] = True
                     os.kill(os.getpid(), signal.SIGTERM)
             return loss
@@ -161,7 +164,7 @@ def _stop_in_validation(rank: int, tmp: Path) -> dict:
             {"model": torch.nn.Linear(4, 2)},
             opt_class=lambda p: torch.optim.SGD(p, lr=0.1),
             run_opts={"noprogressbar": True},
-            checkpointer=Checkpointer(tmp / "ckpts_valid"),
+            checkpointer=Checkpointer(ckpt_dir),
         )
         gen = torch.Generator().manual_seed(rank)
         data = TensorDataset(torch.randn(16, 4, generator=gen), torch.randn(16, 2, generator=gen))
@@ -178,7 +181,7 @@ def _stop_in_validation(rank: int, tmp: Path) -> dict:
     except TrainingInterrupted as err:
         result["error"] = str(err)
     result["seen"] = list(seen)
-    checkpoints = Checkpointer(tmp / "ckpts_valid").list_checkpoints()
+    checkpoints = Checkpointer(ckpt_dir).list_checkpoints()
     result["checkpoints"] = [(c.end_of_epoch, c.meta.get("intra_epoch")) for c in checkpoints]
     seen.clear()
     resumed = fit()
@@ -280,6 +283,17 @@ def test_ddp_ranks_stop_together_when_one_is_signalled_in_validation(reports):
     assert [v for v in reports[1]["stopped_in_validation"]["resumed_seen"] if v[0] == 1] == [
         [1, b] for b in range(1, 4)
     ]
+
+
+def test_ddp_ranks_stop_together_after_a_shorter_shard_has_ended(reports):
+    """Rank 1's 3 validation batches are done when rank 0 is signalled in its 4th: rank 1
+    steps through empty rounds, asking with rank 0, and stops with it."""
+    seen = [r["stopped_after_a_shard_ended"]["seen"] for r in reports]
+    assert seen == [[[1, b] for b in range(1, 5)], [[1, b] for b in range(1, 4)]]
+    for report in reports:
+        stopped = report["stopped_after_a_shard_ended"]
+        assert "epoch 1, batch 4" in stopped["error"] and stopped["resumed_steps"] == 8
+        assert stopped["checkpoints"] == [[False, True]]
 
 
 def test_metric_counts_are_summed_over_ranks(reports):
