@@ -854,9 +854,8 @@ class Brain:
         if rounds is not None:  # every rank the same number of rounds (None: no batch left)
             batches = itertools.islice(itertools.chain(loader, itertools.repeat(None)), rounds)
         with torch.no_grad():
-            total = rounds if rounds is not None else None
             for batch in tqdm(
-                batches, total=total, dynamic_ncols=True, disable=not enable, desc=desc
+                batches, total=rounds, dynamic_ncols=True, disable=not enable, desc=desc
             ):
                 if batch is not None:
                     if self.run_opts.debug and self.step >= self.run_opts.debug_batches:
