@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -67,9 +68,16 @@ HELP_EXAMPLES = (
 )
 
 
+def on_cuda(device_name: str) -> bool:
+    """Whether ``device.name`` trains on a CUDA GPU: ``cuda``/``cuda:N``, or ``auto`` on a
+    machine with one (what ``resolve_device`` picks)."""
+    name = parse_device_name(str(device_name))
+    return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+
+
 def register_resolvers() -> None:
-    """Register ``${run_name:...}`` (overrides as a folder name), ``${sweep_job_name:...}``
-    and ``${config_help:}``."""
+    """Register ``${run_name:...}`` (overrides as a folder name), ``${sweep_job_name:...}``,
+    ``${on_cuda:...}`` and ``${config_help:}``."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver(
             "run_name", lambda overrides: (overrides or "default").replace("/", "_")
@@ -78,6 +86,9 @@ def register_resolvers() -> None:
         # ${sweep_job_name:${hydra.sweep.dir},${hydra.job.override_dirname}}: a sweep job's
         # folder (TensorBoard run) named by the keys the sweep varies.
         OmegaConf.register_new_resolver("sweep_job_name", sweep_job_name)
+    if not OmegaConf.has_resolver("on_cuda"):
+        # ${on_cuda:${device.name}}: whether the run trains on a CUDA GPU (fast_path=auto).
+        OmegaConf.register_new_resolver("on_cuda", on_cuda)
     if not OmegaConf.has_resolver("config_help"):
         # Hydra's help template goes through string.Template: "$" must be doubled.
         OmegaConf.register_new_resolver("config_help", lambda: config_help().replace("$", "$$"))

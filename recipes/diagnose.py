@@ -56,6 +56,9 @@ def training_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"diagnose.batches={cfg.diagnose.batches} must be 1 or more.")
     train_cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "diagnose"])
     train_cfg.precision.fp32_modules = []  # applied by diagnose() itself, names reported
+    # The probes hook every module in every step: a captured step would run them only at
+    # its capture (fast_path=auto turns whole-step graphs on for CUDA).
+    train_cfg.trainer.graph_step = False
     validate_config(train_cfg)
     return train_cfg
 

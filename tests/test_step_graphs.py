@@ -576,6 +576,44 @@ def test_fast_path_step_graphs_composes() -> None:
     validate_config(cfg)
 
 
+@pytest.mark.parametrize(
+    ("device", "cuda_available", "graphed"),
+    [
+        ("device=cuda", False, True),  # named: the run fails clearly if there is none
+        ("device.name=cuda:1", False, True),
+        ("device=auto", True, True),
+        ("device=auto", False, False),
+        ("device=cpu", True, False),
+    ],
+)
+def test_the_default_fast_path_graphs_whole_steps_on_cuda_only(
+    monkeypatch, device, cuda_available, graphed
+) -> None:
+    """``fast_path=auto`` (the default): ``step_graphs`` where the run trains on a CUDA GPU
+    (on the H200, bf16 1.20x fp32 instead of the eager step's 0.61x), ``none`` elsewhere."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
+    cfg = compose_config([device])
+    assert cfg.trainer.graph_step is graphed and cfg.data.pad_to_buckets is graphed
+    assert not cfg.trainer.compile
+    validate_config(cfg)
+    other = compose_config([device, "fast_path=none"])
+    assert not other.trainer.graph_step and not other.data.pad_to_buckets
+
+
+def test_diagnose_runs_eager_steps_whatever_the_fast_path() -> None:
+    """The numerics probes hook every module in every step: a captured step would run them
+    at its capture only."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.diagnose import training_config
+    from tests.recipe_helpers import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="diagnose", overrides=["device=cuda", "output_dir=unused"])
+    assert cfg.trainer.graph_step
+    assert not training_config(cfg).trainer.graph_step
+
+
 # ------------------------------------------------------------ on a GPU
 
 
