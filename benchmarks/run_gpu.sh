@@ -5,6 +5,10 @@
 #                      (each batch shape's whole step captured as one CUDA graph), with a
 #                      torch.profiler summary of 3 more steps per row (why a target is missed)
 #   graph_tests        pytest -m gpu of the whole-step graphs and the device-side CTC loss
+#   default_runs       the README's command as a user runs it (python recipes/train.py -m
+#                      precision=fp32,bf16 device=cuda: the default recipe with its default
+#                      fast_path=auto, i.e. whole-step graphs), one precision after the
+#                      other: test CER/WER and end-to-end speed of each
 #   sweep              experiment=gpu_asr training for bf16, fp16, fp32 at once: test WER after
 #                      the same steps (sweep_<p>: one precision alone)
 #   bench_small        step benchmark of the default small recipe with fast_path=cuda_graphs
@@ -24,14 +28,16 @@
 # what no lease has measured yet. The second 2026-11-26 H200 lease (commit fa21b34) found
 # that the captured steps ran no compiled code (HostReads' dispatch mode made TorchDynamo
 # skip the compiled blocks and the CTC update for good; fixed in 0a79b3a), so: graph_tests
-# (it checks that a replay runs inductor kernels), then Conformer-M and the small recipe with
-# whole-step graphs again, then the small recipe with compiled blocks inside the graph.
+# (it checks that a replay runs inductor kernels), then
+# the README's default command (now whole-step graphs on CUDA: fast_path=auto) trained in
+# fp32 and bf16, then Conformer-M and the small recipe with whole-step graphs again, then the
+# small recipe with compiled blocks inside the graph.
 # The accuracy sweep was measured then (bf16/fp16/fp32 test WER 0.62/0.82/0.95 %) and
 # comes last.
-# Next lease (~900 s with the start): command 1 the defaults; command 2 with what is left:
-#   PARTS="bench_graphs_compiled bench_m_graphs gpu_tests" M_GRAPHS_PRECISIONS=[fp16] \
+# Next lease (~900 s with the start): command 1 the defaults (graph_tests, default_runs and
+# most of bench_m_graphs fit DEADLINE 560); command 2 with what is left, e.g.
+#   PARTS="bench_m_graphs bench_graphs bench_graphs_compiled" M_GRAPHS_PRECISIONS=[bf16] \
 #     DEADLINE=<left - 60> bash benchmarks/gpu_lease.sh
-# (command 1's deadline cuts bench_graphs_compiled short; then fp16 of Conformer-M graphed)
 # Timings on the H200: bench_graphs 72 s; graph_tests 96 s (before its compiled-blocks test);
 # the sweep 272 s (1500 steps); bench_m_graphs ~60 s per variant (fp32, TF32, bf16: the
 # first compile of each); bench_small ~65 s per precision; bench_m's fp32 and TF32 rows
@@ -77,6 +83,9 @@ BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s 
 BENCH_GRAPHS_COMPILED_LIMIT=${BENCH_GRAPHS_COMPILED_LIMIT:-140}  # fp32 and bf16, ~65 s each (compile)
 GRAPH_TESTS_LIMIT=${GRAPH_TESTS_LIMIT:-160}    # seconds for graph_tests (96 s before its compiled-blocks test)
 GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
+DEFAULT_RUNS_LIMIT=${DEFAULT_RUNS_LIMIT:-200}  # seconds for default_runs (not measured yet)
+DEFAULT_PRECISIONS=${DEFAULT_PRECISIONS:-fp32,bf16}  # precisions of default_runs, in order
+DEFAULT_EXTRA=${DEFAULT_EXTRA:-}   # extra overrides for default_runs (dry runs: fewer epochs)
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
 SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for bench_small(_eager)
@@ -84,7 +93,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"graph_tests bench_m_graphs bench_graphs bench_graphs_compiled bench_m gpu_tests sweep bench_small"}
+PARTS=${PARTS:-"graph_tests default_runs bench_m_graphs bench_graphs bench_graphs_compiled bench_m gpu_tests sweep bench_small"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -159,6 +168,13 @@ part_bench_small_eager() {
   bench_small_run bench_small_eager 35 benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader]
 }
 
+# default_runs: the default recipe trained as the README says, each precision alone on the GPU
+part_default_runs() {
+  run_part default_runs "$DEFAULT_RUNS_LIMIT" python3 recipes/train.py -m \
+    precision="$DEFAULT_PRECISIONS" device="$DEVICE" trainer.noprogressbar=true $DEFAULT_EXTRA \
+    hydra.sweep.dir="$WORK/default_runs"
+}
+
 # gpu_tests: pytest -m gpu, with what time is left
 part_gpu_tests() {
   run_part gpu_tests "$GPU_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider --no-header \
@@ -215,16 +231,18 @@ part_sweep() {
 for part in $PARTS; do
   case $part in
     bench_m | bench_m_graphs | bench_small | bench_small_eager | bench_graphs | gpu_tests | \
-      bench_graphs_compiled | graph_tests | sweep)
+      bench_graphs_compiled | graph_tests | sweep | default_runs)
       "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (bench_graphs bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+    *) echo "$part: unknown part (default_runs bench_graphs bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
       | tee -a "$WORK/parts.txt" ;;
   esac
 done
-[ -d "$WORK/sweep_gpu_asr" ] && python3 -c "import pathlib, sys
+for sweep_dir in "$WORK/sweep_gpu_asr" "$WORK/default_runs"; do  # a cut sweep: what finished
+  [ -d "$sweep_dir" ] && python3 -c "import pathlib, sys
 from amp_utils.sweep_summary import summarize_sweep; summarize_sweep(pathlib.Path(sys.argv[1]))" \
-  "$WORK/sweep_gpu_asr" >> "$WORK/summary.log" 2>&1
+    "$sweep_dir" >> "$WORK/summary.log" 2>&1
+done
 
 # TensorBoard event files come back too (tens of kB a run: the per-step loss curves that
 # tell a model that is learning slowly from one that is not)
@@ -235,7 +253,8 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
   for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_graphs_compiled/benchmark.md \
     "$WORK"/bench_m_graphs/benchmark.md \
     "$WORK"/bench_m/benchmark.md \
-    "$WORK"/sweep_gpu_asr/summary.md "$WORK"/bench_small/benchmark.md \
+    "$WORK"/default_runs/summary.md "$WORK"/sweep_gpu_asr/summary.md \
+    "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do
     [ -f "$md" ] && { echo "== $md"; cat "$md"; }
   done
@@ -247,7 +266,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     [ -f "$log" ] && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$log"
   done
   for log in "$WORK"/bench_graphs.log "$WORK"/bench_graphs_compiled.log \
-    "$WORK"/bench_m_graphs.log; do  # why not captured, if not
+    "$WORK"/bench_m_graphs.log "$WORK"/default_runs.log; do  # why not captured, if not
     [ -f "$log" ] && grep -E "graph_step|Captured" "$log" | sed -E 's/^\[[^]]*\]//' \
       | sed -E 's/batch shape \[.*\] as CUDA graph [0-9]+/a batch shape/' | sort | uniq -c | sort -rn | head -8
   done
