@@ -165,7 +165,8 @@ part_bench_graphs_compiled() {
     benchmark.profile_steps=3
 }
 part_bench_small_eager() {
-  bench_small_run bench_small_eager 35 benchmark.precisions=[fp32,bf16] benchmark.modes=[brain,loader]
+  bench_small_run bench_small_eager 35 fast_path=none benchmark.precisions=[fp32,bf16] \
+    benchmark.modes=[brain,loader]
 }
 
 # default_runs: the default recipe trained as the README says, each precision alone on the GPU

@@ -600,6 +600,20 @@ def test_the_default_fast_path_graphs_whole_steps_on_cuda_only(
     assert not other.trainer.graph_step and not other.data.pad_to_buckets
 
 
+def test_the_benchmark_times_the_training_default() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from tests.recipe_helpers import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        on_gpu = compose(config_name="benchmark", overrides=["device=cuda", "output_dir=x"])
+        eager = compose(
+            config_name="benchmark", overrides=["device=cuda", "fast_path=none", "output_dir=x"]
+        )
+    assert on_gpu.trainer.graph_step and on_gpu.data.pad_to_buckets
+    assert not eager.trainer.graph_step
+
+
 def test_diagnose_runs_eager_steps_whatever_the_fast_path() -> None:
     """The numerics probes hook every module in every step: a captured step would run them
     at its capture only."""
