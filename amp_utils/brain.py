@@ -809,12 +809,9 @@ class Brain:
         when ``agreed`` (any rank caught one: the validation loop asks after every round of
         :meth:`_validation_rounds`), all after the same round, since saving is a collective.
         """
-        if self.checkpointer is None:
-            return
-        if self.distributed.world_size > 1:
-            if not agreed:
-                return
-        elif self.stop_signals.received is None:
+        single = self.distributed.world_size == 1
+        stop = self.stop_signals.received is not None if single else agreed
+        if not stop or self.checkpointer is None:
             return
         self._resume_step = self._trained_batches
         try:

@@ -452,7 +452,7 @@ def run_benchmark(
                 row = _peer_row(mode, precision, tf32, cfg, brain, build_modules, batch, flops)
                 rows.append(row)
                 continue
-            row_extra: dict[str, Any] = {}
+            compiled: float | None = None  # compiled-code calls per profiled step
             for extra in extra_warmup:
                 step(extra)
             stats = time_steps(step, batches, warmup, steps, brain.device)
@@ -460,14 +460,14 @@ def run_benchmark(
                 summary, ops, compiled = profile_steps(
                     step, batches, cfg.benchmark.profile_steps, brain.device
                 )
-                if run_cfg.trainer.compile:
-                    row_extra["compiled_calls_per_step"] = compiled
                 atomic_write_text(profile_dir / f"profile_{mode}_{variant}.txt", summary)
                 profiles.setdefault(mode, {})[variant] = ops
             brain.flush_pending()
             if mode in ("bare", "brain"):  # synthetic batches
                 stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
-            row = _row(mode, precision, tf32, stats, flops, batch, brain.device) | row_extra
+            row = _row(mode, precision, tf32, stats, flops, batch, brain.device)
+            if compiled is not None and run_cfg.trainer.compile:
+                row["compiled_calls_per_step"] = compiled
             if mode != "bare" and run_cfg.trainer.graph_step:
                 # So far in this precision (the modes share one Brain); None: not in use.
                 row["step_graphs"] = brain.step_graph_stats()

@@ -19,14 +19,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.compile import CUDAGRAPH_MODES
 from amp_utils.distributed import BACKENDS
-from amp_utils.precision import DEVICE_CHOICES, parse_device_name
+from amp_utils.precision import DEVICE_CHOICES, parse_device_name, resolve_device
 from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
 from recipes.audio_brain import AVERAGE_FROM
@@ -72,7 +71,9 @@ def on_cuda(device_name: str) -> bool:
     """Whether ``device.name`` trains on a CUDA GPU: ``cuda``/``cuda:N``, or ``auto`` on a
     machine with one (what ``resolve_device`` picks)."""
     name = parse_device_name(str(device_name))
-    return name.startswith("cuda") or (name == "auto" and torch.cuda.is_available())
+    if name == "auto":
+        return resolve_device(name).type == "cuda"
+    return name.startswith("cuda")  # named: the run fails clearly if there is none
 
 
 def register_resolvers() -> None:

@@ -13,6 +13,7 @@ from recipes.benchmarking import (
     summarize,
 )
 from tests.recipe_helpers import run_cli
+from tests.test_host_reads import UserBlock
 
 
 def row(mode: str, precision: str, utt_per_s: float, tf32: bool = False) -> dict:
@@ -80,17 +81,8 @@ def test_step_graph_notes_say_whether_rows_replayed_graphs():
     ]
 
 
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.gelu(self.linear(x))
-
-
 def _profiled(module: torch.nn.Module, steps: int = 2):
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 6)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             module(x).sum().backward()
@@ -103,20 +95,20 @@ def test_compiled_code_calls_count_compiled_regions_and_not_eager_code():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch._dynamo.reset()
-    block = _Block()
+    block = UserBlock()
     assert compiled_code_calls(_profiled(block)) == 0
     block.compile(backend="eager", dynamic=True)
-    block(torch.randn(4, 8))  # compile outside the profile
+    block(torch.randn(4, 6))  # compile outside the profile
     assert compiled_code_calls(_profiled(block, steps=3)) == 3
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    skipped = _Block()
+    skipped = UserBlock()
     skipped.compile(backend="eager", dynamic=True)
     with Mode():
-        skipped(torch.randn(4, 8))  # TorchDynamo skips the frame, for good
+        skipped(torch.randn(4, 6))  # TorchDynamo skips the frame, for good
     assert compiled_code_calls(_profiled(skipped)) == 0
     torch._dynamo.reset()
 

@@ -91,7 +91,7 @@ def test_other_threads_are_not_watched() -> None:
     assert reads.found == []
 
 
-def _counting_backend(calls: list[int]):
+def counting_backend(calls: list[int]):
     """A torch.compile backend that runs the traced graph and counts each run."""
 
     def backend(graph_module, example_inputs):
@@ -104,7 +104,7 @@ def _counting_backend(calls: list[int]):
     return backend
 
 
-class _Block(torch.nn.Module):
+class UserBlock(torch.nn.Module):
     """A user-defined block (TorchDynamo does not trace torch.nn containers compiled in place)."""
 
     def __init__(self) -> None:
@@ -122,8 +122,8 @@ def test_compiled_code_checked_under_it_stays_compiled_afterwards() -> None:
     Conformer blocks eager in every captured step (2026-11-26 H200 profile)."""
     torch._dynamo.reset()
     calls: list[int] = []
-    block = _Block()
-    block.compile(backend=_counting_backend(calls), dynamic=True)
+    block = UserBlock()
+    block.compile(backend=counting_backend(calls), dynamic=True)
     inp = torch.randn(3, 6)
     block(inp)
     assert len(calls) == 1  # compiled and run

@@ -32,6 +32,7 @@ from recipes.config import ConfigError, validate_config
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain, train
 from tests.recipe_helpers import FAST, compose_config, run_cli
+from tests.test_host_reads import UserBlock, counting_backend
 
 
 @dataclass
@@ -75,11 +76,6 @@ def test_without_capture_every_step_runs_the_body_eagerly() -> None:
         StepGraphs(body, clone_tensors, lambda s, b: None, warmup_steps=0, capture=False)
 
 
-class _Doubler(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-
 def test_compiled_modules_stay_compiled_after_the_checked_warm_up_step() -> None:
     """The last warm-up step of a shape runs under HostReads; the steps after it (the
     capture and the replays on CUDA, eager steps here) must still run the compiled code.
@@ -87,21 +83,13 @@ def test_compiled_modules_stay_compiled_after_the_checked_warm_up_step() -> None
     every captured step (no inductor kernel in the profile, 37 ms instead of ~24 ms)."""
     torch._dynamo.reset()
     runs: list[int] = []
-
-    def backend(graph_module, example_inputs):
-        def run(*args):
-            runs.append(1)
-            return graph_module.forward(*args)
-
-        return run
-
-    module = _Doubler()
-    module.compile(backend=backend, dynamic=True)
+    module = UserBlock()
+    module.compile(backend=counting_backend(runs), dynamic=True)
     graphs = StepGraphs(
         lambda batch: module(batch.x).sum(), clone_tensors, lambda s, b: None, capture=False
     )
     for _ in range(5):  # warm-up, checked warm-up, then the steps a GPU would capture
-        graphs(_Batch(torch.ones(4), []))
+        graphs(_Batch(torch.ones(6), []))
     assert len(runs) == 4, f"compiled code ran in {len(runs)} of 4 unchecked steps"
     torch._dynamo.reset()
 
