@@ -251,3 +251,32 @@ def test_time_steps_reports_the_wait_for_a_late_batch():
     assert stats["wait_ms_max"] >= 50.0
     assert stats["wait_ms_mean"] == pytest.approx(stats["wait_ms_max"] / 3, rel=0.2)
     assert stats["p90_step_ms"] >= 50.0 and stats["p50_step_ms"] < 50.0  # one slow step
+
+
+def test_a_compiled_benchmark_row_says_that_compiled_code_ran(tmp_path, fsdd_root):
+    """With trainer.compile on and profiling, each row records its compiled-code calls and
+    the table says they ran (aot_eager: TorchDynamo's regions without code generation)."""
+    out = tmp_path / "bench"
+    result = run_cli(
+        "benchmark.py",
+        [
+            "device=cpu",
+            "device.num_workers=0",
+            "benchmark.batch_size=4",
+            "benchmark.steps=2",
+            "benchmark.warmup_steps=1",
+            "benchmark.precisions=[fp32]",
+            "benchmark.modes=[brain]",
+            "benchmark.profile_steps=1",
+            "trainer.compile=true",
+            "trainer.compile_backend=aot_eager",
+            "trainer.compile_regions=true",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
+            f"hydra.run.dir={out}",
+        ],
+        fsdd_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = json.loads((out / "benchmark.json").read_text())["rows"]
+    assert row["compiled_calls_per_step"] > 0, row
+    assert "brain fp32: compiled code ran" in (out / "benchmark.md").read_text()
