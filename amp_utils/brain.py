@@ -447,7 +447,15 @@ class Brain:
         # Under DDP: the mean over the ranks, so all of them log, count and skip alike.
         global_loss = self._mean_over_ranks(loss.detach())  # and any rank's stop signal
         self.amp_step.observe_loss(global_loss)
-        step_info = self.optimizers_step() if should_step else None
+        if should_step:
+            step_info = self.optimizers_step()  # reads the previous batch's values first
+        else:
+            step_info = None
+            if self.distributed.world_size > 1:
+                # Inside an accumulation window too, the ranks read the previous batch's
+                # stop flag (its work is done while this batch's is queued), so that a
+                # signal stops them together within a batch, not at the window's end.
+                self.flush_pending()
         signalled, self._ranks_signalled = self._ranks_signalled, None
         self.ledger.record(self.step, global_loss, step_info, self.amp_step.loss_scale(), signalled)
         self.on_fit_batch_end(batch, outputs, loss, should_step)
@@ -749,11 +757,10 @@ class Brain:
                 self._resume_step = self.step
                 if self.step % self.run_opts.log_interval_steps == 0:
                     bar.set_postfix(train_loss=f"{self.avg_train_loss:.4f}", refresh=False)
-                # After a signal a single process saves inside an accumulation window
-                # too (with the window's gradients) instead of at the next step.
-                if self.step % self.run_opts.grad_accumulation_factor == 0 or (
-                    self.stop_signals.received is not None and self.distributed.world_size == 1
-                ):
+                # After a signal the run saves inside an accumulation window too (with
+                # the window's gradients) instead of at the window's end: a single
+                # process at once, DDP ranks together once they have read the flag.
+                if self.step % self.run_opts.grad_accumulation_factor == 0 or self._stop_now():
                     self._maybe_save_intra_epoch()
         self.flush_pending()
         if self.device_type == "cuda":
@@ -908,6 +915,13 @@ class Brain:
         return avg_test_loss
 
     # ------------------------------------------------------------ checkpoints
+    def _stop_now(self) -> bool:
+        """Whether a signal stops training after this batch, even inside a window: this
+        process's own signal when alone, the ranks' agreement (same batch on all) under DDP."""
+        if self.distributed.world_size == 1:
+            return self.stop_signals.received is not None
+        return self.ledger.stop_requested
+
     def _maybe_save_intra_epoch(self) -> None:
         """Save mid-epoch when the policy says so; after a signal, save and exit."""
         decision = self.checkpoint_policy.decide(
@@ -956,13 +970,16 @@ class Brain:
             "pending_grads": self._pending_grads() if self._resume_step > 0 else None,
         }
         if self.distributed.world_size > 1:
-            # Each rank's generators drew for its own batches (dropout, SpecAugment) and
-            # it counted its own utterances, so each rank needs its own state back; every
-            # rank calls this (the checkpointer collects on all ranks, rank 0 writes).
+            # Each rank's generators drew for its own batches (dropout, SpecAugment), it
+            # counted its own utterances and, inside an accumulation window, holds its own
+            # gradients (no_sync), so each rank needs its own state back; every rank calls
+            # this (the checkpointer collects on all ranks, rank 0 writes).
+            pending = state.pop("pending_grads")
             ranks: list[Any] = [None] * self.distributed.world_size
-            torch.distributed.all_gather_object(ranks, (state["rng"], train_stats))
-            state["rank_rng"] = [rng for rng, _ in ranks]
-            state["rank_train_stats"] = [stats for _, stats in ranks]
+            torch.distributed.all_gather_object(ranks, (state["rng"], train_stats, pending))
+            state["rank_rng"] = [rng for rng, _, _ in ranks]
+            state["rank_train_stats"] = [stats for _, stats, _ in ranks]
+            state["rank_pending_grads"] = [grads for _, _, grads in ranks]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -983,7 +1000,7 @@ class Brain:
                 "at an epoch end."
             )
         self._resume_step = done // world_size
-        self._resume_grads = state.get("pending_grads")
+        self._resume_grads = self._saved_pending_grads(state, saved_world_size)
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.ledger.train_loss = RunningMean(
@@ -1011,27 +1028,60 @@ class Brain:
 
     def _pending_grads(self) -> dict[str, Any] | None:
         """The gradients of an unfinished accumulation window, for a mid-epoch checkpoint;
-        None at a step boundary (the step set them to None) and under DDP.
+        None at a step boundary (the step set them to None).
 
         A signal may stop a run mid-window (its loader's workers may be gone), so the
         window's gradients and finite-loss flag travel with the checkpoint: the resumed
-        run then steps with the same gradients as an uninterrupted one. Under DDP the
-        ranks stop together at an optimizer step, where there is nothing to keep.
+        run then steps with the same gradients as an uninterrupted one. Under DDP each
+        rank keeps its own (``no_sync`` left them unreduced), on the CPU for the gather;
+        all ranks call this, and they agree on whether the window is finite.
         """
-        if self.distributed.world_size > 1:
-            return None
         grads = [p.grad for p in self._optimized_params()]
-        if all(g is None for g in grads):
+        finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+        if self.distributed.world_size > 1:
+            (nonfinite, any_grads) = any_rank(not finite, any(g is not None for g in grads))
+            finite = not nonfinite
+        else:
+            any_grads = any(g is not None for g in grads)
+        if not any_grads:
             return None
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        if not finite:
             # The window's step will be skipped (a checkpoint holds no NaN/Inf): keep only
             # that. fp16's scaler backs off as after the overflow; fp32/bf16 without
             # skip_nonfinite_grads skip a step they would have applied non-finite.
             return {"grads": None, "window_finite": False}
+        to_cpu = self.distributed.world_size > 1
         return {
-            "grads": [None if g is None else g.detach().clone() for g in grads],
+            "grads": [
+                None if g is None else (g.detach().cpu() if to_cpu else g.detach().clone())
+                for g in grads
+            ],
             "window_finite": self.amp_step.window_finite(),
         }
+
+    def _saved_pending_grads(
+        self, state: dict[str, Any], saved_world_size: int
+    ) -> dict[str, Any] | None:
+        """This rank's unfinished-window gradients from a mid-epoch checkpoint (or None).
+
+        Raises:
+            CheckpointError: the window's gradients were saved by another number of
+                processes (each rank's partial sum belongs to its own shard of the window).
+        """
+        per_rank = state.get("rank_pending_grads")
+        saved = [state.get("pending_grads")] if per_rank is None else per_rank
+        if all(grads is None for grads in saved):
+            return None
+        world_size = self.distributed.world_size
+        if saved_world_size != world_size or len(saved) != world_size:
+            raise CheckpointError(
+                f"The mid-epoch checkpoint was saved by {saved_world_size} process(es) inside "
+                "a gradient-accumulation window, with each process's partial gradients; "
+                f"{world_size} process(es) cannot finish that window as the interrupted "
+                f"run would have. Resume it with {saved_world_size} process(es); the world "
+                "size may change at an optimizer step or an epoch end."
+            )
+        return saved[self.distributed.rank]
 
     def _restore_pending_grads(self) -> None:
         """Put a resumed accumulation window's gradients back (after the epoch's zero_grad)."""

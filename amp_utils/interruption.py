@@ -43,8 +43,8 @@ class StopSignals:
     signal the workers' ends are expected: SIGCHLD gets its default handling until the
     context exits. The loop asks for no batch after the signal: inside a
     gradient-accumulation window it saves the window's gradients with the checkpoint
-    instead of waiting for the window's last batch (single process; DDP ranks stop
-    together at an optimizer step).
+    instead of waiting for the window's last batch (under DDP each rank saves its own, and
+    the ranks stop together one batch after the signal).
     """
 
     #: A repeated SIGTERM this soon after the first is the same request, not a second one:

@@ -20,6 +20,7 @@ from amp_utils import (
     TrainingInterrupted,
 )
 from amp_utils.checkpoint import STATE_FILE, CheckpointError, read_state
+from amp_utils.distributed import DistributedInfo
 from amp_utils.precision import ONEDNN_CACHE_VARIABLE, PrecisionNotSupportedError
 from data.sampler import DurationBatchSampler
 
@@ -744,6 +745,26 @@ def test_window_gradients_that_do_not_fit_the_model_are_refused_clearly():
     brain._resume_grads = {"grads": [torch.zeros(3)], "window_finite": True}
     with pytest.raises(CheckpointError, match="unfinished accumulation window"):
         brain._restore_pending_grads()
+
+
+@pytest.mark.parametrize("saved_by", [1, 2])
+def test_window_gradients_saved_by_another_number_of_processes_are_refused(saved_by):
+    """A window's gradients are each rank's partial sum over its own shard of the window:
+    another world size cannot finish that window as the interrupted run would have."""
+    brain = RegressionBrain(
+        {"model": make_model()}, sgd(), run_opts=run_opts(grad_accumulation_factor=4)
+    )
+    brain.on_fit_start()
+    for batch in list(DataLoader(make_data(12), batch_size=4))[:2]:
+        brain.train_step(batch)
+    brain._resume_step = brain.step  # 2 batches into the window: any world size divides
+    state = brain.state_dict()
+    if saved_by == 2:  # as DDP saves it: one entry per rank
+        state["world_size"] = 2
+        state["rank_pending_grads"] = [state.pop("pending_grads")] * 2
+    brain.distributed = DistributedInfo(world_size=3 - saved_by, backend="gloo")
+    with pytest.raises(CheckpointError, match=f"saved by {saved_by} process"):
+        brain.load_state_dict(state)
 
 
 def test_a_checkpoint_at_an_accumulation_boundary_holds_no_gradients(tmp_path):

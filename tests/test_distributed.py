@@ -32,6 +32,7 @@ from amp_utils import (
     Stage,
     TrainingInterrupted,
 )
+from amp_utils.checkpoint import STATE_FILE, read_state
 from amp_utils.distributed import (
     DistributedInfo,
     all_reduce_counts,
@@ -131,6 +132,14 @@ def _checks(rank: int, tmp: Path) -> dict:
     # rank 0 signalled in its 4th batch, while rank 1 (3 batches) steps through empty rounds
     report["stopped_after_a_shard_ended"] = _stop_in_validation(rank, tmp, at=(0, 4))
 
+    report["stopped_in_window"] = _stop_in_window(rank, tmp)
+
+    # A window whose gradients overflowed on one rank only is non-finite on every rank
+    # (the resumed ranks skip its step together, as the all-reduced step would have).
+    for p in ddp.module.parameters():
+        p.grad = torch.full_like(p, float("inf") if rank == 0 else 1.0)
+    report["window_saved_as"] = brain._pending_grads()
+
     # Speaker metrics: each rank counts its own shard; the reported accuracy is global.
     speaker = SpeakerBrain(modules={}, run_opts={"noprogressbar": True})
     speaker.correct, speaker.total = (9, 10) if rank == 0 else (1, 10)
@@ -186,6 +195,58 @@ def _stop_in_validation(rank: int, tmp: Path, at: tuple[int, int]) -> dict:
     seen.clear()
     resumed = fit()
     result["resumed_seen"] = list(seen)
+    result["resumed_steps"] = resumed.optimizer_step
+    return result
+
+
+def _stop_in_window(rank: int, tmp: Path) -> dict:
+    """A SIGTERM to rank 1 alone after its 5th batch of epoch 1, inside the second window
+    of 4 accumulated batches (no_sync: each rank holds its own partial gradients). Batch
+    6's loss all-reduce carries rank 1's flag and every rank reads it at batch 7, so both
+    must stop after batch 7, not at the window's end (batch 8), each saving its own
+    gradients; the resumed run must end exactly as an uninterrupted one."""
+    signalled = [False]
+
+    class Accumulating(TinyBrain):
+        def on_fit_batch_end(self, batch, outputs, loss, should_step):
+            if signal_at and (rank, self.step) == (1, 5) and not signalled[0]:
+                signalled[0] = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def fit(ckpt_dir: Path) -> Accumulating:
+        torch.manual_seed(0)
+        brain = Accumulating(
+            {"model": torch.nn.Linear(4, 2)},
+            opt_class=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            run_opts={"noprogressbar": True, "grad_accumulation_factor": 4},
+            checkpointer=Checkpointer(ckpt_dir),
+        )
+        gen = torch.Generator().manual_seed(rank)
+        data = TensorDataset(torch.randn(16, 4, generator=gen), torch.randn(16, 2, generator=gen))
+        brain.fit(EpochCounter(2), DataLoader(data, batch_size=2))
+        return brain
+
+    def weights(brain: Accumulating) -> list[list[float]]:
+        return [p.detach().flatten().tolist() for p in brain.modules.model.parameters()]
+
+    signal_at = False
+    reference = fit(tmp / "window_ref")
+    result: dict = {"reference": weights(reference), "steps": reference.optimizer_step}
+    signal_at = True
+    try:
+        fit(tmp / "window_run")
+        result["error"] = None
+    except TrainingInterrupted as err:
+        result["error"] = str(err)
+    [saved] = Checkpointer(tmp / "window_run").list_checkpoints()
+    state = read_state(saved.path / STATE_FILE)["state"]["brain"]
+    result["saved_grads"] = [
+        None if grads is None else [g.flatten().tolist() for g in grads["grads"]]
+        for grads in state["rank_pending_grads"]
+    ]
+    signal_at = False
+    resumed = fit(tmp / "window_run")
+    result["resumed"] = weights(resumed)
     result["resumed_steps"] = resumed.optimizer_step
     return result
 
@@ -294,6 +355,26 @@ def test_ddp_ranks_stop_together_after_a_shorter_shard_has_ended(reports):
         stopped = report["stopped_after_a_shard_ended"]
         assert "epoch 1, batch 4" in stopped["error"] and stopped["resumed_steps"] == 8
         assert stopped["checkpoints"] == [[False, True]]
+
+
+def test_ddp_ranks_stop_together_inside_an_accumulation_window_and_resume_exactly(reports):
+    for report in reports:
+        window = report["stopped_in_window"]
+        assert window["error"] is not None and "epoch 1, batch 7." in window["error"]
+        assert window["steps"] == window["resumed_steps"] == 4
+        assert window["resumed"] == window["reference"]  # bit for bit
+    # each rank saved its own partial sum of the window's 3 batches (they differ)
+    first, second = reports[0]["stopped_in_window"]["saved_grads"]
+    assert first is not None and second is not None and first != second
+    assert (
+        reports[0]["stopped_in_window"]["reference"] == reports[1]["stopped_in_window"]["reference"]
+    )
+
+
+def test_a_window_that_overflowed_on_one_rank_is_saved_as_non_finite_by_all(reports):
+    assert [r["window_saved_as"] for r in reports] == [
+        {"grads": None, "window_finite": False}
+    ] * WORLD_SIZE
 
 
 def test_metric_counts_are_summed_over_ranks(reports):
