@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import os
 import random
@@ -34,7 +35,19 @@ from amp_utils import Checkpointer
 from amp_utils.checkpoint import read_state
 from tests.recipe_helpers import MANIFEST_8K, REPO_ROOT, recipe_command, run_command
 
-SEED = int(os.environ.get("KILL_RESUME_SEED", random.SystemRandom().randrange(10**6)))
+
+def session_seed() -> int:
+    """``KILL_RESUME_SEED``, else a new draw per session: under pytest-xdist one shared by
+    every worker (its test-run id), since the workers must collect the same test ids."""
+    if "KILL_RESUME_SEED" in os.environ:
+        return int(os.environ["KILL_RESUME_SEED"])
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id:
+        return int(hashlib.sha256(run_id.encode()).hexdigest(), 16) % 10**6
+    return random.SystemRandom().randrange(10**6)
+
+
+SEED = session_seed()
 EPOCHS = 3
 #: Utterances per split of the FSDD subset; about 15 training batches per epoch.
 SUBSET = {"train": 48, "valid": 12, "test": 12}
