@@ -20,6 +20,9 @@
 #                      bare/brain/staged
 #   bench_m            step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
 #                      fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
+#   activation_memory  recipes/diagnose.py on experiment=gpu_asr in bf16 with the sweep's
+#                      batches: what the backward pass keeps under fp32 and bf16, by dtype and
+#                      module (why bf16's peak memory was 0.63x fp32's, target 0.6x)
 #   gpu_tests          pytest -m gpu
 #   bench_small_eager  the small recipe without the fast path
 # Each part runs under its own time limit inside one deadline; what a part finished is kept.
@@ -86,6 +89,7 @@ GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
 DEFAULT_RUNS_LIMIT=${DEFAULT_RUNS_LIMIT:-200}  # seconds for default_runs (not measured yet)
 DEFAULT_PRECISIONS=${DEFAULT_PRECISIONS:-fp32,bf16}  # precisions of default_runs, in order
 DEFAULT_EXTRA=${DEFAULT_EXTRA:-}   # extra overrides for default_runs (dry runs: fewer epochs)
+ACT_MEM_LIMIT=${ACT_MEM_LIMIT:-90}  # seconds for activation_memory (not measured yet)
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
 SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for bench_small(_eager)
@@ -93,7 +97,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"graph_tests default_runs bench_m_graphs bench_graphs bench_graphs_compiled bench_m gpu_tests sweep bench_small"}
+PARTS=${PARTS:-"graph_tests default_runs bench_m_graphs bench_graphs bench_graphs_compiled activation_memory bench_m gpu_tests sweep bench_small"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -176,6 +180,15 @@ part_default_runs() {
     hydra.sweep.dir="$WORK/default_runs"
 }
 
+# activation_memory: the bytes autograd keeps for one of the sweep's batches, fp32 and bf16
+# (eager: diagnose hooks every module)
+part_activation_memory() {
+  run_part activation_memory "$ACT_MEM_LIMIT" python3 recipes/diagnose.py experiment=gpu_asr \
+    precision=bf16 device="$DEVICE" fast_path=none trainer.compile=false diagnose.batches=1 \
+    data.num_train="$BENCH_UTTS" data.max_batch_seconds="$TRAIN_BATCH" $M_EXTRA \
+    hydra.run.dir="$WORK/activation_memory"
+}
+
 # gpu_tests: pytest -m gpu, with what time is left
 part_gpu_tests() {
   run_part gpu_tests "$GPU_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider --no-header \
@@ -232,10 +245,10 @@ part_sweep() {
 for part in $PARTS; do
   case $part in
     bench_m | bench_m_graphs | bench_small | bench_small_eager | bench_graphs | gpu_tests | \
-      bench_graphs_compiled | graph_tests | sweep | default_runs)
+      bench_graphs_compiled | graph_tests | sweep | default_runs | activation_memory)
       "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (default_runs bench_graphs bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+    *) echo "$part: unknown part (default_runs activation_memory bench_graphs bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
       | tee -a "$WORK/parts.txt" ;;
   esac
 done
@@ -253,7 +266,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
   cat "$WORK/parts.txt"
   for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_graphs_compiled/benchmark.md \
     "$WORK"/bench_m_graphs/benchmark.md \
-    "$WORK"/bench_m/benchmark.md \
+    "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory/activation_memory.md \
     "$WORK"/default_runs/summary.md "$WORK"/sweep_gpu_asr/summary.md \
     "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do

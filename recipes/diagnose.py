@@ -6,7 +6,9 @@
 
 Takes the same config groups and overrides as ``recipes/train.py``, trains a few batches
 (from scratch; nothing is saved) and writes ``numerics.md`` and ``numerics.json`` into its run
-folder and log2|x| histograms of activations and gradients into ``tb/``.
+folder and log2|x| histograms of activations and gradients into ``tb/``. It also writes
+``activation_memory.md``/``.json``: what the backward pass keeps of one batch under fp32 and
+under the precision, by dtype and module (why bf16/fp16 save less memory than half).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from amp_utils.numerics_report import (
     log_histograms,
 )
 from amp_utils.precision import resolve_device
+from amp_utils.saved_activations import training_activation_memory
 from amp_utils.tensorboard import TensorBoardLogger
 from recipes.config import (
     ConfigError,
@@ -95,8 +98,17 @@ def diagnose(cfg: DictConfig) -> NumericsReport:
         log_histograms(tensorboard.writer, probes.activations, probes.gradients)
     finally:
         tensorboard.close()
+    memory = training_activation_memory(brain, next(iter(train_batches)))
+    atomic_write_text(out / "activation_memory.md", memory.markdown(brain.modules))
+    atomic_write_json(out / "activation_memory.json", memory.to_json())
     for sentence in report.overall.values():
         logger.info(sentence)
+    logger.info(
+        "activation memory: %s keeps %.2fx fp32's bytes for the backward pass (%s)",
+        memory.precision,
+        memory.ratio,
+        out / "activation_memory.md",
+    )
     logger.info("fix: %s", report.fix_line() or "none needed")
     logger.info("report: %s", out / "numerics.md")
     return report

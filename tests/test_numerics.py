@@ -294,6 +294,13 @@ def test_recipe_report_fp16_has_no_false_alarms_and_writes_its_files(fp16_recipe
     assert markdown.startswith("# Numerics report (fp16, 2 training batches)")
     assert "fp16: safe (range and error checked)" in markdown
     assert list((out / "tb").glob("events.out.tfevents.*"))
+    # why fp16 saves less than half the activation memory: measured, fp32 holders named
+    memory = json.loads((out / "activation_memory.json").read_text())
+    assert memory["precision"] == "fp16" and 0.5 < memory["ratio"] < 1.0, memory["ratio"]
+    assert memory["fp16"]["by_dtype"]["fp32"] > 0 and "fp16" not in memory["fp32"]["by_dtype"]
+    memory_md = (out / "activation_memory.md").read_text()
+    assert memory_md.startswith("# Activation memory: fp16 against fp32")
+    assert "| `model.blocks.0.attention" in memory_md or "| `model.blocks.0" in memory_md
 
 
 @pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores

@@ -1,0 +1,263 @@
+"""Activation memory: what autograd keeps for the backward pass, by dtype and by module.
+
+Mixed precision saves memory only where the tensors autograd keeps for the backward pass
+(inputs of matmuls, softmax outputs, dropout masks, ...) are in bf16/fp16. Ops that
+autocast runs in fp32, modules a model keeps in fp32 on purpose and autocast's copies of
+the weights keep bf16 from halving the activation memory; how much depends on the device
+(autocast's op lists and the model's kernels differ between CPU and CUDA). ``SavedActivations``
+counts every tensor autograd saves during a forward pass (``saved_tensors_hooks``), once
+per storage, by dtype and by the innermost module running when it was saved;
+``activation_memory`` measures one batch under fp32 and under the run's precision and
+says which modules hold the fp32 bytes that remain.
+
+Parameters are not counted (they are memory either way); autocast's low-precision copies
+of them are, as they live until the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp_utils.autocast import TorchAutocast
+
+MB = 2**20
+OUTSIDE = "(outside modules: the loss)"
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32/bf16/fp16 for the float types, else torch's name (``int64``, ``bool``)."""
+    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass
+class SavedBytes:
+    """Bytes saved for the backward pass: by dtype, and by module then dtype."""
+
+    by_dtype: dict[str, int] = field(default_factory=dict)
+    by_module: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """All bytes saved for the backward pass."""
+        return sum(self.by_dtype.values())
+
+    def add(self, module: str, dtype: str, nbytes: int) -> None:
+        """Count ``nbytes`` of ``dtype`` saved while ``module`` ran."""
+        self.by_dtype[dtype] = self.by_dtype.get(dtype, 0) + nbytes
+        per_module = self.by_module.setdefault(module, {})
+        per_module[dtype] = per_module.get(dtype, 0) + nbytes
+
+
+class SavedActivations:
+    """Context counting the tensors autograd saves for backward while it is active.
+
+    Each storage counts once (a tensor saved by several ops, or views of one tensor, is
+    one allocation), under the innermost module of ``model`` whose forward was running
+    (``""``: outside every submodule, e.g. the loss). Parameters are skipped.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> with SavedActivations(model) as saved:
+        ...     loss = model(torch.randn(3, 4)).sum()
+        >>> saved.result.by_dtype["fp32"] > 0
+        True
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.result = SavedBytes()
+        self._stack: list[str] = []
+        self._seen: set[int] = set()
+        self._params: set[int] = set()
+        self._handles: list[Any] = []
+        self._hooks: Any = None
+
+    def __enter__(self) -> SavedActivations:
+        self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        for name, module in self.model.named_modules():
+            if name:
+                self._handles.append(module.register_forward_pre_hook(self._enter(name)))
+                self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def _enter(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._stack.append(name)
+
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.layout != torch.strided:  # sparse/nested: no plain storage to count
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._params or key in self._seen or storage.nbytes() == 0:
+            return tensor
+        self._seen.add(key)
+        module = self._stack[-1] if self._stack else ""
+        self.result.add(module, dtype_name(tensor.dtype), storage.nbytes())
+        return tensor
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def measure_saved(
+    model: nn.Module,
+    forward: Callable[[], Any],
+    device_type: str,
+    dtype: torch.dtype | None,
+) -> SavedBytes:
+    """Run ``forward`` (with gradients, under autocast to ``dtype``; None: fp32) and count
+    what it saves for the backward pass. The graph is dropped without a backward pass."""
+    with SavedActivations(model) as saved, torch.enable_grad():
+        with TorchAutocast(device_type=device_type, dtype=dtype):
+            output = forward()
+        del output
+    return saved.result
+
+
+@dataclass
+class ActivationMemory:
+    """Saved-for-backward bytes of one batch under fp32 and under a run's precision."""
+
+    precision: str
+    fp32: SavedBytes
+    low: SavedBytes
+
+    @property
+    def ratio(self) -> float:
+        """The run's precision's saved bytes over fp32's."""
+        return self.low.total / self.fp32.total if self.fp32.total else float("nan")
+
+    def fp32_holders(self, top: int = 8) -> list[tuple[str, int, int]]:
+        """The modules keeping the most fp32 bytes under the run's precision, each at
+        least 0.5 % of its total: (module, fp32 bytes, all its bytes under fp32), most first."""
+        rows = [
+            (name, counts.get("fp32", 0), self.fp32.by_module.get(name, {}).get("fp32", 0))
+            for name, counts in self.low.by_module.items()
+        ]
+        rows = [row for row in rows if row[1] >= 0.005 * self.low.total]  # not the noise
+        return sorted(rows, key=lambda row: -row[1])[:top]
+
+    def by_module_type(self, model: nn.Module) -> dict[str, dict[str, int]]:
+        """fp32 and run-precision bytes summed over modules of the same class."""
+        classes = {name: type(module).__name__ for name, module in model.named_modules()}
+        classes[""] = OUTSIDE
+        summed: dict[str, dict[str, int]] = defaultdict(lambda: {"fp32": 0, "low": 0})
+        for key, result in (("fp32", self.fp32), ("low", self.low)):
+            for name, counts in result.by_module.items():
+                summed[classes.get(name, OUTSIDE)][key] += sum(counts.values())
+        return dict(summed)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready data: totals, the ratio, per dtype and per module."""
+        return {
+            "precision": self.precision,
+            "ratio": self.ratio,
+            "fp32": {"by_dtype": self.fp32.by_dtype, "by_module": self.fp32.by_module},
+            self.precision: {"by_dtype": self.low.by_dtype, "by_module": self.low.by_module},
+        }
+
+    def markdown(self, model: nn.Module) -> str:
+        """The report: totals and ratio, bytes per dtype, per module type, fp32 holders."""
+        name = self.precision
+        by_size = sorted(self.low.by_dtype.items(), key=lambda kv: -kv[1])
+        dtypes = ", ".join(f"{dtype} {nbytes / MB:.1f} MB" for dtype, nbytes in by_size)
+        lines = [
+            f"# Activation memory: {name} against fp32",
+            "",
+            "Bytes autograd keeps for the backward pass of one training batch (parameters "
+            "excluded; autocast's copies of them included). Peak memory adds parameters, "
+            "gradients, optimizer state and the allocator's cache to this.",
+            "",
+            f"- fp32: **{self.fp32.total / MB:.1f} MB**; {name}: **{self.low.total / MB:.1f}"
+            f" MB**, **{self.ratio:.2f}×** fp32.",
+            f"- {name} by dtype: {dtypes}",
+            "",
+            f"| module type | fp32 (MB) | {name} (MB) | ratio |",
+            "|---|---|---|---|",
+        ]
+        types = sorted(self.by_module_type(model).items(), key=lambda kv: -kv[1]["fp32"])
+        for module_type, sizes in types:
+            ratio = sizes["low"] / sizes["fp32"] if sizes["fp32"] else float("nan")
+            lines.append(
+                f"| {module_type} | {sizes['fp32'] / MB:.2f} | {sizes['low'] / MB:.2f} "
+                f"| {ratio:.2f} |"
+            )
+        holders = self.fp32_holders()
+        if holders:
+            lines += [
+                "",
+                f"Modules that still keep fp32 tensors under {name} (the innermost module "
+                "running when autograd saved them): ops that autocast runs in fp32, or "
+                "that the model keeps in fp32 on purpose.",
+                "",
+                f"| module | fp32 kept under {name} (MB) | all saved under fp32 (MB) |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| `{module or OUTSIDE}` | {kept / MB:.2f} | {full / MB:.2f} |"
+                for module, kept, full in holders
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def activation_memory(
+    model: nn.Module,
+    forward: Callable[[], Any],
+    device_type: str,
+    precision: str,
+    dtype: torch.dtype | None,
+) -> ActivationMemory:
+    """Saved-for-backward bytes of ``forward`` under fp32 and under ``dtype`` (same batch).
+
+    ``forward`` should run the model and its loss as training does (train mode, so that
+    dropout saves its masks). The generators are reset between the two passes, so both
+    draw the same dropout masks.
+    """
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    fp32 = measure_saved(model, forward, device_type, None)
+    torch.set_rng_state(cpu_state)
+    if cuda_states is not None:
+        torch.cuda.set_rng_state_all(cuda_states)
+    low = measure_saved(model, forward, device_type, dtype)
+    return ActivationMemory(precision, fp32, low)
+
+
+def training_activation_memory(brain: Any, batch: Any) -> ActivationMemory:
+    """``activation_memory`` of a Brain's training forward and loss on ``batch``."""
+    from amp_utils.brain import Stage
+
+    on_device = batch.to(brain.device) if hasattr(batch, "to") else batch
+
+    def forward() -> torch.Tensor:
+        predictions = brain.compute_forward(on_device, Stage.TRAIN)
+        return brain.compute_objectives(predictions, on_device, Stage.TRAIN)
+
+    brain.modules.train()
+    return activation_memory(
+        brain.modules, forward, brain.device_type, brain.amp.name, brain.amp.dtype
+    )

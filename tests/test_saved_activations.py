@@ -1,0 +1,139 @@
+"""amp_utils.saved_activations: what autograd keeps for backward, by dtype and module."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from amp_utils.saved_activations import (
+    OUTSIDE,
+    ActivationMemory,
+    SavedActivations,
+    SavedBytes,
+    activation_memory,
+    measure_saved,
+)
+from recipes.asr.model import ConformerCTC
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_fp32_counts_each_saved_activation_once_and_no_parameter():
+    """Linear saves its input, ReLU its output, which the second Linear saves again as its
+    input: one storage, counted once; the weights are parameters, not counted."""
+    model = mlp()
+    x = torch.randn(3, 4)
+    saved = measure_saved(model, lambda: model(x).sum(), "cpu", None)
+    assert saved.by_dtype == {"fp32": x.nbytes + 3 * 8 * 4}
+    assert saved.by_module == {"0": {"fp32": x.nbytes}, "1": {"fp32": 3 * 8 * 4}}
+
+
+def test_bf16_keeps_the_casts_of_inputs_and_weights_and_no_fp32():
+    """Under autocast a Linear keeps a bf16 copy of its input, and of its weight where the
+    input needs a gradient (the copies are activation memory until backward; the fp32
+    weights are not counted). The first layer's input needs none: no weight copy."""
+    model = mlp()
+    x = torch.randn(3, 4)
+    saved = measure_saved(model, lambda: model(x).sum(), "cpu", torch.bfloat16)
+    hidden = 3 * 8 * 2  # ReLU's output, the second Linear's input
+    assert saved.by_module == {
+        "0": {"bf16": x.numel() * 2},
+        "1": {"bf16": hidden},
+        "2": {"bf16": 2 * 8 * 2},  # its weight's bf16 copy
+    }
+    assert saved.by_dtype == {"bf16": x.numel() * 2 + hidden + 2 * 8 * 2}
+
+
+def test_a_tensor_saved_by_several_ops_counts_once_and_outside_modules_goes_to_the_loss():
+    x = torch.randn(5, requires_grad=True)
+    model = nn.Identity()
+    with SavedActivations(model) as saved:
+        y = x * x  # saves x twice
+        (y.exp() * 2).sum()  # exp saves its output
+    assert saved.result.by_dtype == {"fp32": 2 * x.nbytes}
+    assert set(saved.result.by_module) == {""}
+    memory = ActivationMemory("bf16", saved.result, saved.result)
+    assert memory.by_module_type(model) == {OUTSIDE: {"fp32": 2 * x.nbytes, "low": 2 * x.nbytes}}
+    assert memory.fp32_holders() == [("", 2 * x.nbytes, 2 * x.nbytes)]
+    assert f"| `{OUTSIDE}` |" in memory.markdown(model)
+
+
+def test_fp32_holders_leave_out_the_noise():
+    fp32 = SavedBytes({"fp32": 1000}, {"a": {"fp32": 996}, "b": {"fp32": 4}})
+    low = SavedBytes(
+        {"bf16": 500, "fp32": 504}, {"a": {"bf16": 500, "fp32": 500}, "b": {"fp32": 4}}
+    )
+    assert ActivationMemory("bf16", fp32, low).fp32_holders() == [("a", 500, 996)]
+
+
+def test_layer_norm_keeps_fp32_under_bf16_and_the_report_names_it():
+    """Autocast runs layer_norm in fp32: its saved input stays fp32, and the report lists
+    it as the module that keeps fp32 bytes (why bf16 saves less than half)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    x = torch.randn(32, 16)
+    memory = activation_memory(model, lambda: model(x).sum(), "cpu", "bf16", torch.bfloat16)
+    assert memory.fp32.by_dtype.keys() == {"fp32"}
+    assert memory.low.by_module["1"].get("fp32", 0) > 0  # the LayerNorm
+    assert memory.fp32_holders()[0][0] == "1"
+    assert 0 < memory.ratio < 1
+    markdown = memory.markdown(model)
+    assert markdown.startswith("# Activation memory: bf16 against fp32")
+    assert f"**{memory.ratio:.2f}×** fp32" in markdown
+    assert "| LayerNorm |" in markdown and "| `1` |" in markdown
+    data = json.loads(json.dumps(memory.to_json()))
+    assert data["ratio"] == pytest.approx(memory.ratio)
+    assert data["bf16"]["by_module"]["1"]["fp32"] == memory.low.by_module["1"]["fp32"]
+
+
+def test_both_passes_draw_the_same_dropout_masks_and_leave_no_hooks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    x = torch.randn(4, 8)
+    masks = []
+    model[1].register_forward_hook(lambda m, args, out: masks.append(out.ne(0)))
+    activation_memory(model, lambda: model(x).sum(), "cpu", "bf16", torch.bfloat16)
+    assert torch.equal(masks[0], masks[1])
+    hooked = [m for m in model.modules() if m._forward_pre_hooks]
+    assert hooked == [] and len(model[1]._forward_hooks) == 1  # only the test's own
+
+
+def test_the_conformer_keeps_less_under_bf16_but_more_than_half():
+    """The recipe's model: bf16 keeps less than fp32, but not half (fp32 norms, softmax,
+    residual stream); the fp32 holders are named."""
+    torch.manual_seed(0)
+    model = ConformerCTC(n_mels=40, d_model=64, num_layers=2, num_heads=4, ffn_dim=128)
+    model.train()
+    feats = torch.randn(4, 200, 40)
+    lens = torch.full((4,), 200)
+    memory = activation_memory(
+        model,
+        lambda: model(feats, lens)[0].float().square().mean(),
+        "cpu",
+        "bf16",
+        torch.bfloat16,
+    )
+    assert 0.5 < memory.ratio < 1.0, memory.ratio
+    assert memory.fp32_holders(), memory.low.by_module
+
+
+class Parent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x).exp()  # exp runs in the parent, after its child returned
+
+
+def test_an_op_after_a_child_module_returns_counts_for_the_parent():
+    model = nn.Sequential(Parent())
+    x = torch.randn(2, 4)
+    saved = measure_saved(model, lambda: model(x).sum(), "cpu", None)
+    assert saved.by_module == {"0.child": {"fp32": x.nbytes}, "0": {"fp32": x.nbytes}}
