@@ -41,11 +41,12 @@
 # most of bench_m_graphs fit DEADLINE 560); command 2 with what is left, e.g.
 #   PARTS="bench_m_graphs bench_graphs bench_graphs_compiled activation_memory" \
 #     M_GRAPHS_PRECISIONS=[bf16] DEADLINE=<left - 60> bash benchmarks/gpu_lease.sh
-# activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast upcasts
-# every LayerNorm's bf16 input (the residual stream is bf16: it starts at the front end's
-# Linear) and keeps that fp32 copy for backward, 5 per Conformer block, about a fifth of
-# bf16's saved bytes; a LayerNorm on its bf16 input (fp32 statistics inside the kernel)
-# would bring the 0.63x towards 0.55x. Measure before changing the model.
+# activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
+# every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
+# fp32 from block 1 on, as each block's final LayerNorm outputs fp32; the conv module's
+# second norm upcasts a bf16 input), 6 per Conformer block, about a fifth of bf16's saved
+# bytes by a count of the block's saves; LayerNorms on bf16 copies of their inputs (fp32
+# statistics inside the kernel) would bring the 0.63x towards 0.55x. Measure first.
 # Timings on the H200: bench_graphs 72 s; graph_tests 96 s (before its compiled-blocks test);
 # the sweep 272 s (1500 steps); bench_m_graphs ~60 s per variant (fp32, TF32, bf16: the
 # first compile of each); bench_small ~65 s per precision; bench_m's fp32 and TF32 rows
