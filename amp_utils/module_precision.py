@@ -10,6 +10,10 @@ Module names are those of ``named_modules()``, prefixed by the module's key when
 modules are given as a mapping (``model.blocks.0.attention``). Patterns are shell-style
 (``fnmatch``): ``*`` matches any characters, dots included, so ``model.blocks.*.attention``
 names the attention of every block.
+
+``apply_low_precision_norms`` goes the other way for LayerNorms: under autocast they take a
+bf16/fp16 copy of their input (the kernel still accumulates its statistics in fp32), where
+CUDA's autocast would run them in fp32 and keep an fp32 input for the backward pass.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from amp_utils.autocast import fwd_default_precision
 
 #: Attribute set on a module whose forward runs in fp32 (applying twice wraps once).
 FP32_MARK = "_runs_in_fp32"
+#: Attribute set on a LayerNorm that runs in the autocast dtype (applying twice wraps once).
+LOW_PRECISION_NORM_MARK = "_norm_in_autocast_dtype"
 #: Module names listed in the error for a pattern that matches nothing.
 NAMES_SHOWN_IN_ERROR = 12
 
@@ -118,3 +125,59 @@ def apply_fp32_modules(
     for name in matched:
         run_in_fp32(named[name])
     return matched
+
+
+def autocast_dtype_for(tensor: torch.Tensor) -> torch.dtype | None:
+    """The low-precision dtype autocast computes in on ``tensor``'s device; None when
+    autocast is off there (or set to fp32)."""
+    device_type = tensor.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return None if dtype == torch.float32 else dtype
+
+
+def run_norm_in_autocast_dtype(norm: nn.LayerNorm) -> None:
+    """Make ``norm`` normalize a copy of its input in autocast's dtype (bf16/fp16) with its
+    weight and bias in that dtype, autocast off inside. The output is in that dtype, and
+    what the backward pass keeps is half the size of fp32's. Outside autocast nothing
+    changes; the state dict neither (an instance attribute, applied once)."""
+    if getattr(norm, LOW_PRECISION_NORM_MARK, False):
+        return
+    full_precision = norm.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        dtype = autocast_dtype_for(x)
+        if dtype is None or not x.is_floating_point():
+            return full_precision(x)
+        weight = None if norm.weight is None else norm.weight.to(dtype)
+        bias = None if norm.bias is None else norm.bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x.to(dtype), norm.normalized_shape, weight, bias, norm.eps)
+
+    norm.forward = forward
+    setattr(norm, LOW_PRECISION_NORM_MARK, True)
+
+
+def apply_low_precision_norms(modules: Mapping[str, nn.Module] | nn.Module) -> list[str]:
+    """Run every ``nn.LayerNorm`` of ``modules`` in the autocast dtype (see
+    :func:`run_norm_in_autocast_dtype`), except those pinned to fp32 by
+    ``precision.fp32_modules`` (apply that first). Returns their names."""
+    named = named_modules_of(modules)
+    changed = []
+    for name, module in named.items():
+        pinned = any(
+            getattr(named[prefix], FP32_MARK, False)
+            for prefix in _prefixes(name)
+            if prefix in named
+        )
+        if isinstance(module, nn.LayerNorm) and not pinned:
+            run_norm_in_autocast_dtype(module)
+            changed.append(name)
+    return changed
+
+
+def _prefixes(name: str) -> list[str]:
+    """``a.b.c`` -> ``[a, a.b, a.b.c]``: the module and the modules that contain it."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]

@@ -46,7 +46,8 @@
 # fp32 from block 1 on, as each block's final LayerNorm outputs fp32; the conv module's
 # second norm upcasts a bf16 input), 6 per Conformer block, about a fifth of bf16's saved
 # bytes by a count of the block's saves; LayerNorms on bf16 copies of their inputs (fp32
-# statistics inside the kernel) would bring the 0.63x towards 0.55x. Measure first.
+# statistics inside the kernel: precision.low_precision_norms=true, off by default) would
+# bring the 0.63x towards 0.55x. The part diagnoses both; the accuracy needs a sweep.
 # Timings on the H200: bench_graphs 72 s; graph_tests 96 s (before its compiled-blocks test);
 # the sweep 272 s (1500 steps); bench_m_graphs ~60 s per variant (fp32, TF32, bf16: the
 # first compile of each); bench_small ~65 s per precision; bench_m's fp32 and TF32 rows
@@ -95,7 +96,7 @@ GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
 DEFAULT_RUNS_LIMIT=${DEFAULT_RUNS_LIMIT:-200}  # seconds for default_runs (not measured yet)
 DEFAULT_PRECISIONS=${DEFAULT_PRECISIONS:-fp32,bf16}  # precisions of default_runs, in order
 DEFAULT_EXTRA=${DEFAULT_EXTRA:-}   # extra overrides for default_runs (dry runs: fewer epochs)
-ACT_MEM_LIMIT=${ACT_MEM_LIMIT:-90}  # seconds for activation_memory (not measured yet)
+ACT_MEM_LIMIT=${ACT_MEM_LIMIT:-60}  # seconds for each of activation_memory's 2 runs (not measured yet)
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
 SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for bench_small(_eager)
@@ -187,12 +188,16 @@ part_default_runs() {
 }
 
 # activation_memory: the bytes autograd keeps for one of the sweep's batches, fp32 and bf16
-# (eager: diagnose hooks every module)
+# (eager: diagnose hooks every module), as trained and with precision.low_precision_norms
 part_activation_memory() {
-  run_part activation_memory "$ACT_MEM_LIMIT" python3 recipes/diagnose.py experiment=gpu_asr \
-    precision=bf16 device="$DEVICE" fast_path=none trainer.compile=false diagnose.batches=1 \
-    data.num_train="$BENCH_UTTS" data.max_batch_seconds="$TRAIN_BATCH" $M_EXTRA \
-    hydra.run.dir="$WORK/activation_memory"
+  local norms
+  for norms in false true; do
+    run_part "activation_memory_norms_$norms" "$ACT_MEM_LIMIT" python3 recipes/diagnose.py \
+      experiment=gpu_asr precision=bf16 precision.low_precision_norms=$norms device="$DEVICE" \
+      fast_path=none trainer.compile=false diagnose.batches=1 data.num_train="$BENCH_UTTS" \
+      data.max_batch_seconds="$TRAIN_BATCH" $M_EXTRA \
+      hydra.run.dir="$WORK/activation_memory_norms_$norms"
+  done
 }
 
 # gpu_tests: pytest -m gpu, with what time is left
@@ -272,7 +277,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
   cat "$WORK/parts.txt"
   for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_graphs_compiled/benchmark.md \
     "$WORK"/bench_m_graphs/benchmark.md \
-    "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory/activation_memory.md \
+    "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory_norms_*/activation_memory.md \
     "$WORK"/default_runs/summary.md "$WORK"/sweep_gpu_asr/summary.md \
     "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from amp_utils.module_precision import apply_fp32_modules
+from amp_utils.module_precision import apply_fp32_modules, apply_low_precision_norms
 from recipes.augment import build_augment, build_wave_augment
 from recipes.frontend import build_features
 from recipes.tasks import task_for
@@ -27,7 +27,8 @@ def build_modules(
 
     ``wave_augment`` (speed, noise) acts on the waveforms before the features,
     ``augment`` (SpecAugment) on the features; both only in training. Inference passes
-    ``augment=False``. ``precision.fp32_modules`` pins the named modules to fp32.
+    ``augment=False``. ``precision.fp32_modules`` pins the named modules to fp32;
+    ``precision.low_precision_norms`` runs the other LayerNorms in the autocast dtype.
     """
     modules: dict[str, torch.nn.Module] = {
         "features": build_features(cfg.data),
@@ -41,4 +42,6 @@ def build_modules(
             if module is not None:
                 modules[name] = module
     apply_fp32_modules(modules, list(cfg.precision.get("fp32_modules") or []))
+    if cfg.precision.get("low_precision_norms", False):
+        apply_low_precision_norms(modules)
     return modules

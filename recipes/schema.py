@@ -55,6 +55,14 @@ class PrecisionConfig:
             "[model.blocks.*.attention] (recipes/diagnose.py says which)"
         },
     )
+    low_precision_norms: bool = field(
+        default=False,
+        metadata={
+            "help": "LayerNorms normalize a bf16/fp16 copy of their input under autocast "
+            "(statistics still fp32): half their saved activations on CUDA, which runs "
+            "them in fp32"
+        },
+    )
 
 
 def schema_help(group: str, key: str) -> str:

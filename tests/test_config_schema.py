@@ -134,6 +134,7 @@ def test_eval_precision_defaults_to_the_training_precision(precision):
         "eval_precision": "fp32",
         "allow_tf32": False,
         "fp32_modules": [],
+        "low_precision_norms": False,
     }
 
 

@@ -427,3 +427,69 @@ def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
         .splitlines()[-1]
         .startswith("error: precision.fp32_modules: pattern 'nope' matches no module")
     )
+
+
+# ------------------------------------------------------------------ low_precision_norms
+
+
+def norm_block() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.norm = nn.LayerNorm(16)
+    model.pinned = nn.Sequential(nn.LayerNorm(16))
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_norms_normalize_a_copy_in_the_autocast_dtype(dtype):
+    """Under autocast the norm takes a bf16/fp16 copy of its (fp32) input: its output is in
+    that dtype, within that format's rounding of the fp32 norm, and what backward keeps is
+    half of fp32's; the weight and bias still get fp32 gradients. Modules pinned to fp32
+    stay fp32; outside autocast nothing changes."""
+    from amp_utils.module_precision import apply_low_precision_norms
+    from amp_utils.saved_activations import dtype_name, measure_saved
+
+    model, reference = norm_block(), norm_block()
+    apply_fp32_modules(model, ["pinned"])
+    assert apply_low_precision_norms(model) == ["norm"]
+    assert apply_low_precision_norms(model) == ["norm"]  # applied once
+    x = torch.randn(64, 16) * 3 + 1
+    with torch.autocast("cpu", dtype=dtype):
+        out = model.norm(x)
+        assert model.pinned(x).dtype == torch.float32
+    assert out.dtype == dtype
+    expected = reference.norm(x)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), expected, rtol=4 * eps, atol=4 * eps)
+    out.float().square().sum().backward()
+    assert model.norm.weight.grad.dtype == torch.float32
+    assert model.norm.bias.grad is not None
+    low = measure_saved(model.norm, lambda: model.norm(x), "cpu", dtype)
+    full = measure_saved(reference.norm, lambda: reference.norm(x), "cpu", None)
+    assert low.by_dtype.get(dtype_name(dtype), 0) * 2 >= x.nbytes  # the input's copy
+    assert sum(low.by_dtype.values()) < 0.6 * sum(full.by_dtype.values())
+    assert torch.equal(model.norm(x), reference.norm(x))  # no autocast: the usual norm
+    assert model.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_low_precision_norms_from_the_config_reach_every_layer_norm():
+    """precision.low_precision_norms=true: every LayerNorm of the recipe's model is changed
+    and the model's bf16 logits stay close. (On a CPU autocast already runs LayerNorm on its
+    bf16 input and the model's residual stream is bf16, so nothing is saved there; on CUDA
+    autocast runs it in fp32: the GPU test measures that.)"""
+    from amp_utils.module_precision import LOW_PRECISION_NORM_MARK
+    from recipes.modules import build_modules
+    from tests.recipe_helpers import compose_config
+
+    plain = build_modules(compose_config(["precision=bf16"]), ("s",))["model"]
+    cfg = compose_config(["precision=bf16", "precision.low_precision_norms=true"])
+    changed = build_modules(cfg, ("s",))["model"]
+    changed.load_state_dict(plain.state_dict())
+    norms = [m for m in changed.modules() if isinstance(m, nn.LayerNorm)]
+    assert norms and all(getattr(m, LOW_PRECISION_NORM_MARK, False) for m in norms)
+    assert not any(getattr(m, LOW_PRECISION_NORM_MARK, False) for m in plain.modules())
+    plain.eval(), changed.eval()
+    feats, lens = torch.randn(2, 80, cfg.data.features.n_mels), torch.tensor([80, 60])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = plain(feats, lens)[0].float(), changed(feats, lens)[0].float()
+    assert (a - b).norm() / a.norm() < 0.02

@@ -137,3 +137,31 @@ def test_an_op_after_a_child_module_returns_counts_for_the_parent():
     x = torch.randn(2, 4)
     saved = measure_saved(model, lambda: model(x).sum(), "cpu", None)
     assert saved.by_module == {"0.child": {"fp32": x.nbytes}, "0": {"fp32": x.nbytes}}
+
+
+@pytest.mark.gpu
+def test_low_precision_norms_keep_fewer_bytes_on_cuda(cuda_device):
+    """On CUDA autocast runs LayerNorm in fp32 and keeps an fp32 input for backward;
+    ``precision.low_precision_norms`` keeps a bf16 copy instead. The recipe's Conformer
+    under bf16 then keeps fewer bytes, with logits close to the plain model's."""
+    from amp_utils.module_precision import apply_low_precision_norms
+
+    torch.manual_seed(0)
+    plain = ConformerCTC(n_mels=40, d_model=64, num_layers=2, num_heads=4, ffn_dim=128)
+    plain = plain.to(cuda_device).eval()
+    changed = ConformerCTC(n_mels=40, d_model=64, num_layers=2, num_heads=4, ffn_dim=128)
+    changed = changed.to(cuda_device).eval()
+    changed.load_state_dict(plain.state_dict())
+    assert len(apply_low_precision_norms(changed)) == 2 * 6
+    feats = torch.randn(4, 400, 40, device=cuda_device)
+    lens = torch.full((4,), 400, device=cuda_device)
+    saved = {
+        name: measure_saved(model, lambda m=model: m(feats, lens)[0], "cuda", torch.bfloat16)
+        for name, model in (("plain", plain), ("changed", changed))
+    }
+    assert saved["plain"].by_dtype.get("fp32", 0) > 0
+    assert saved["changed"].by_dtype.get("fp32", 0) < 0.5 * saved["plain"].by_dtype["fp32"]
+    assert saved["changed"].total < saved["plain"].total
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = plain(feats, lens)[0].float(), changed(feats, lens)[0].float()
+    assert (a - b).norm() / a.norm() < 0.02
