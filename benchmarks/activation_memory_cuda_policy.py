@@ -1,0 +1,79 @@
+"""Conformer-M's saved activations under CUDA's autocast choices, measured on a CPU.
+
+Why bf16's peak memory is 0.63x fp32's on the GPU (target 0.6x), without a GPU: the model
+runs on the CPU with the choices CUDA makes, and ``amp_utils.saved_activations`` counts what
+autograd keeps for backward under fp32 and bf16:
+
+- attention cores, depthwise convolutions and dropout as on CUDA (``fast_kernels``' CPU
+  choices off: they keep attention and depthwise convolutions in fp32 on CPUs);
+- LayerNorm as CUDA's autocast runs it (fp32 copy of the input, fp32 output), or with
+  ``precision.low_precision_norms`` (a bf16 copy of the input, fp32 statistics inside).
+
+    python benchmarks/activation_memory_cuda_policy.py --batch 20 --frames 1000
+
+(20 x 10 s of 10 ms feature frames, about the sweep's 200 s batches). The byte counts depend
+on the ops' choices only, not on the CPU; the time does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_utils.fast_kernels as fast_kernels
+from amp_utils.module_precision import apply_low_precision_norms, run_in_fp32
+from amp_utils.saved_activations import activation_memory
+from recipes.asr.model import ConformerCTC
+
+#: conf/model/conformer_ctc_m.yaml with experiment=gpu_asr's 80 mel bands
+CONFORMER_M = dict(n_mels=80, d_model=256, num_layers=16, num_heads=4, ffn_dim=1024, conv_kernel=31)
+
+
+def use_cuda_kernel_choices() -> None:
+    """Turn off ``fast_kernels``' CPU-only choices (fp32 attention and depthwise
+    convolutions, 16-bit dropout masks): the model then saves what it saves on CUDA."""
+    fast_kernels._SLOW_ON_CPU = ()
+    fast_kernels._depthwise_on_cpu = lambda conv, x: False
+    fast_kernels.dropout = F.dropout
+
+
+def conformer_m(norms: str) -> nn.Module:
+    """Conformer-M with its LayerNorms as CUDA's autocast runs them (``"autocast"``) or
+    with ``precision.low_precision_norms`` (``"low_precision"``)."""
+    torch.manual_seed(0)
+    model = ConformerCTC(**CONFORMER_M).train()
+    if norms == "autocast":
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                run_in_fp32(module)  # CUDA's autocast: layer_norm in fp32 (input cast up)
+    else:
+        apply_low_precision_norms(model)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=20, help="utterances per batch")
+    parser.add_argument("--frames", type=int, default=1000, help="feature frames each")
+    args = parser.parse_args()
+    use_cuda_kernel_choices()
+    feats = torch.randn(args.batch, args.frames, CONFORMER_M["n_mels"])
+    lens = torch.full((args.batch,), args.frames)
+    for norms in ("autocast", "low_precision"):
+        model = conformer_m(norms)
+        start = time.perf_counter()
+
+        def forward(model: nn.Module = model) -> torch.Tensor:
+            return model(feats, lens)[0].float().square().mean()
+
+        memory = activation_memory(model, forward, "cpu", "bf16", torch.bfloat16)
+        print(f"## LayerNorms: {norms} ({time.perf_counter() - start:.0f} s)\n")
+        print(memory.markdown(model))
+
+
+if __name__ == "__main__":
+    main()
