@@ -17,7 +17,7 @@ of them are, as they live until the backward pass.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,11 +145,20 @@ class ActivationMemory:
     precision: str
     fp32: SavedBytes
     low: SavedBytes
+    #: what training holds in fp32 in every precision: parameters, gradients, optimizer state
+    state_bytes: int = 0
 
     @property
     def ratio(self) -> float:
         """The run's precision's saved bytes over fp32's."""
         return self.low.total / self.fp32.total if self.fp32.total else float("nan")
+
+    @property
+    def peak_ratio(self) -> float:
+        """Saved bytes plus ``state_bytes``, the run's precision over fp32: what peak
+        memory compares, before the allocator's cache and the step's temporaries."""
+        fp32 = self.fp32.total + self.state_bytes
+        return (self.low.total + self.state_bytes) / fp32 if fp32 else float("nan")
 
     def fp32_holders(self, top: int = 8) -> list[tuple[str, int, int]]:
         """The modules keeping the most fp32 bytes under the run's precision, each at
@@ -176,6 +185,8 @@ class ActivationMemory:
         return {
             "precision": self.precision,
             "ratio": self.ratio,
+            "state_bytes": self.state_bytes,
+            "peak_ratio": self.peak_ratio,
             "fp32": {"by_dtype": self.fp32.by_dtype, "by_module": self.fp32.by_module},
             self.precision: {"by_dtype": self.low.by_dtype, "by_module": self.low.by_module},
         }
@@ -195,6 +206,9 @@ class ActivationMemory:
             f"- fp32: **{self.fp32.total / MB:.1f} MB**; {name}: **{self.low.total / MB:.1f}"
             f" MB**, **{self.ratio:.2f}×** fp32.",
             f"- {name} by dtype: {dtypes}",
+            f"- With parameters, gradients and optimizer state ({self.state_bytes / MB:.1f} MB "
+            f"in both): {name} **{self.peak_ratio:.2f}×** fp32, the ratio peak memory shows "
+            "before the allocator's cache and the step's temporaries.",
             "",
             f"| module type | fp32 (MB) | {name} (MB) | ratio |",
             "|---|---|---|---|",
@@ -258,6 +272,19 @@ def training_activation_memory(brain: Any, batch: Any) -> ActivationMemory:
         return brain.compute_objectives(predictions, on_device, Stage.TRAIN)
 
     brain.modules.train()
-    return activation_memory(
+    memory = activation_memory(
         brain.modules, forward, brain.device_type, brain.amp.name, brain.amp.dtype
     )
+    memory.state_bytes = training_state_bytes(brain.modules, brain.optimizers_dict.values())
+    return memory
+
+
+def training_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of the trainable parameters, their gradients (one per parameter, as a step
+    has them) and the optimizers' state tensors (AdamW: two moments per parameter)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    total = 2 * sum(p.nbytes for p in trainable)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+    return total

@@ -71,6 +71,8 @@ def main() -> None:
             return model(feats, lens)[0].float().square().mean()
 
         memory = activation_memory(model, forward, "cpu", "bf16", torch.bfloat16)
+        # what AdamW training holds in every precision: parameters, gradients, two moments
+        memory.state_bytes = 4 * sum(p.nbytes for p in model.parameters())
         print(f"## LayerNorms: {norms} ({time.perf_counter() - start:.0f} s)\n")
         print(memory.markdown(model))
 

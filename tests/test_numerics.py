@@ -297,6 +297,7 @@ def test_recipe_report_fp16_has_no_false_alarms_and_writes_its_files(fp16_recipe
     # why fp16 saves less than half the activation memory: measured, fp32 holders named
     memory = json.loads((out / "activation_memory.json").read_text())
     assert memory["precision"] == "fp16" and 0.5 < memory["ratio"] < 1.0, memory["ratio"]
+    assert memory["state_bytes"] > 0 and memory["ratio"] < memory["peak_ratio"] < 1.0
     assert memory["fp16"]["by_dtype"]["fp32"] > 0 and "fp16" not in memory["fp32"]["by_dtype"]
     memory_md = (out / "activation_memory.md").read_text()
     assert memory_md.startswith("# Activation memory: fp16 against fp32")

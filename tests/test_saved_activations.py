@@ -191,3 +191,23 @@ def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes(monkeypatch)
     autocast, low = kept["autocast"]["LayerNorm"], kept["low_precision"]["LayerNorm"]
     assert autocast["low"] == autocast["fp32"]  # fp32 copies of the inputs
     assert low["low"] < 0.6 * low["fp32"]
+
+
+def test_training_state_counts_parameters_gradients_and_adam_moments():
+    from amp_utils.saved_activations import training_state_bytes
+
+    model = nn.Linear(4, 2)  # 10 parameters, 40 bytes
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert training_state_bytes(model, [optimizer]) == 2 * 40  # no step yet: no moments
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    steps = sum(state["step"].nbytes for state in optimizer.state.values())
+    assert training_state_bytes(model, [optimizer]) == 2 * 40 + 2 * 40 + steps
+
+
+def test_the_peak_ratio_adds_the_training_state_to_both_precisions():
+    fp32, low = SavedBytes({"fp32": 600}), SavedBytes({"bf16": 300})
+    memory = ActivationMemory("bf16", fp32, low, state_bytes=400)
+    assert memory.ratio == 0.5 and memory.peak_ratio == 0.7
+    assert "bf16 **0.70×** fp32" in memory.markdown(nn.Identity())
+    assert memory.to_json()["peak_ratio"] == 0.7
