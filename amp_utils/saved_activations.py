@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from amp_utils.autocast import TorchAutocast
+from amp_utils.rng_state import capture_rng_state, restore_rng_state
 
 MB = 2**20
 OUTSIDE = "(outside modules: the loss)"
@@ -251,12 +252,9 @@ def activation_memory(
     dropout saves its masks). The generators are reset between the two passes, so both
     draw the same dropout masks.
     """
-    cpu_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    generators = capture_rng_state()
     fp32 = measure_saved(model, forward, device_type, None)
-    torch.set_rng_state(cpu_state)
-    if cuda_states is not None:
-        torch.cuda.set_rng_state_all(cuda_states)
+    restore_rng_state(generators)
     low = measure_saved(model, forward, device_type, dtype)
     return ActivationMemory(precision, fp32, low)
 
