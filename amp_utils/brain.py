@@ -760,7 +760,8 @@ class Brain:
                 # After a signal the run saves inside an accumulation window too (with
                 # the window's gradients) instead of at the window's end: a single
                 # process at once, DDP ranks together once they have read the flag.
-                if self.step % self.run_opts.grad_accumulation_factor == 0 or self._stop_now():
+                stop = self._stop_now(self.ledger.stop_requested)
+                if self.step % self.run_opts.grad_accumulation_factor == 0 or stop:
                     self._maybe_save_intra_epoch()
         self.flush_pending()
         if self.device_type == "cuda":
@@ -816,9 +817,7 @@ class Brain:
         when ``agreed`` (any rank caught one: the validation loop asks after every round of
         :meth:`_validation_rounds`), all after the same round, since saving is a collective.
         """
-        single = self.distributed.world_size == 1
-        stop = self.stop_signals.received is not None if single else agreed
-        if not stop or self.checkpointer is None:
+        if not self._stop_now(agreed) or self.checkpointer is None:
             return
         self._resume_step = self._trained_batches
         try:
@@ -915,12 +914,13 @@ class Brain:
         return avg_test_loss
 
     # ------------------------------------------------------------ checkpoints
-    def _stop_now(self) -> bool:
-        """Whether a signal stops training after this batch, even inside a window: this
-        process's own signal when alone, the ranks' agreement (same batch on all) under DDP."""
+    def _stop_now(self, agreed: bool) -> bool:
+        """Whether a signal stops the run after this batch: this process's own signal when
+        alone; under DDP ``agreed``, what the ranks learnt together at the same batch (the
+        loss all-reduce's flag in training, ``any_rank`` in validation)."""
         if self.distributed.world_size == 1:
             return self.stop_signals.received is not None
-        return self.ledger.stop_requested
+        return agreed
 
     def _maybe_save_intra_epoch(self) -> None:
         """Save mid-epoch when the policy says so; after a signal, save and exit."""
@@ -1037,15 +1037,12 @@ class Brain:
         all ranks call this, and they agree on whether the window is finite.
         """
         grads = [p.grad for p in self._optimized_params()]
-        finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
-        if self.distributed.world_size > 1:
-            (nonfinite, any_grads) = any_rank(not finite, any(g is not None for g in grads))
-            finite = not nonfinite
-        else:
-            any_grads = any(g is not None for g in grads)
+        nonfinite = not all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+        # under DDP: whether any rank holds gradients, and whether any rank's overflowed
+        nonfinite, any_grads = any_rank(nonfinite, any(g is not None for g in grads))
         if not any_grads:
             return None
-        if not finite:
+        if nonfinite:
             # The window's step will be skipped (a checkpoint holds no NaN/Inf): keep only
             # that. fp16's scaler backs off as after the overflow; fp32/bf16 without
             # skip_nonfinite_grads skip a step they would have applied non-finite.
