@@ -1,6 +1,7 @@
 """The benchmark's table: ratios against fp32, the bare loop and pre-staged batches."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,26 +126,34 @@ def test_compile_notes_warn_when_no_compiled_code_ran():
     assert len(notes) == 2
 
 
+def run_small_benchmark(tmp_path: Path, fsdd_root: Path, *overrides: str) -> Path:
+    """recipes/benchmark.py on the CPU with batches of 4 and one warm-up step; checks that
+    it succeeded and returns its run folder."""
+    out = tmp_path / "bench"
+    args = [
+        "device=cpu",
+        "device.num_workers=0",
+        "benchmark.batch_size=4",
+        "benchmark.warmup_steps=1",
+        *overrides,
+        f"data.prepared_dir={tmp_path / 'prepared'}",
+        f"hydra.run.dir={out}",
+    ]
+    result = run_cli("benchmark.py", args, fsdd_root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
 def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
     """recipes/benchmark.py end to end on the CPU: every mode and precision gets a row."""
-    out = tmp_path / "bench"
-    result = run_cli(
-        "benchmark.py",
-        [
-            "device=cpu",
-            "device.num_workers=0",
-            "benchmark.batch_size=4",
-            "benchmark.steps=3",
-            "benchmark.warmup_steps=1",
-            "benchmark.precisions=[fp32,bf16]",
-            "benchmark.profile_steps=1",
-            "data.max_batch_seconds=4",
-            f"data.prepared_dir={tmp_path / 'prepared'}",
-            f"hydra.run.dir={out}",
-        ],
+    out = run_small_benchmark(
+        tmp_path,
         fsdd_root,
+        "benchmark.steps=3",
+        "benchmark.precisions=[fp32,bf16]",
+        "benchmark.profile_steps=1",
+        "data.max_batch_seconds=4",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "benchmark.json").read_text())["rows"]
     ours = [r for r in rows if r["mode"] not in PEER_MODES]
     assert [(r["mode"], r["precision"]) for r in ours] == [
@@ -256,27 +265,17 @@ def test_time_steps_reports_the_wait_for_a_late_batch():
 def test_a_compiled_benchmark_row_says_that_compiled_code_ran(tmp_path, fsdd_root):
     """With trainer.compile on and profiling, each row records its compiled-code calls and
     the table says they ran (aot_eager: TorchDynamo's regions without code generation)."""
-    out = tmp_path / "bench"
-    result = run_cli(
-        "benchmark.py",
-        [
-            "device=cpu",
-            "device.num_workers=0",
-            "benchmark.batch_size=4",
-            "benchmark.steps=2",
-            "benchmark.warmup_steps=1",
-            "benchmark.precisions=[fp32]",
-            "benchmark.modes=[brain]",
-            "benchmark.profile_steps=1",
-            "trainer.compile=true",
-            "trainer.compile_backend=aot_eager",
-            "trainer.compile_regions=true",
-            f"data.prepared_dir={tmp_path / 'prepared'}",
-            f"hydra.run.dir={out}",
-        ],
+    out = run_small_benchmark(
+        tmp_path,
         fsdd_root,
+        "benchmark.steps=2",
+        "benchmark.precisions=[fp32]",
+        "benchmark.modes=[brain]",
+        "benchmark.profile_steps=1",
+        "trainer.compile=true",
+        "trainer.compile_backend=aot_eager",
+        "trainer.compile_regions=true",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     [row] = json.loads((out / "benchmark.json").read_text())["rows"]
     assert row["compiled_calls_per_step"] > 0, row
     assert "brain fp32: compiled code ran" in (out / "benchmark.md").read_text()
