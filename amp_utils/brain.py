@@ -87,6 +87,7 @@ from amp_utils.step_graphs import (
     tensor_leaves,
 )
 from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
+from amp_utils.weight_casts import WeightCasts
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ class Brain:
         self.graph_safe_step = False
         self._warned_data_wait = False
         self._step_graphs: StepGraphs | None = None
+        self._weight_casts: WeightCasts | None = None  # fused_weight_casts, once set up
         self._capturable: CapturableOptimizers | None = None
 
         if self.checkpointer is not None:
@@ -335,6 +337,7 @@ class Brain:
                 self.modules, self.device, self.run_opts.find_unused_parameters
             )
         self._compile()
+        self._set_up_weight_casts()
         self.init_optimizers()
         if self.checkpointer is not None:
             ckpt = self.checkpointer.recover_if_possible(map_location=self.device)
@@ -466,15 +469,40 @@ class Brain:
     ) -> tuple[Any, torch.Tensor]:
         """Autocast forward and objectives, then the scaled backward: (outputs, loss).
 
-        ``autocast_cache`` (None: torch's default) passes to ``torch.autocast``.
+        ``autocast_cache`` (None: torch's default) passes to ``torch.autocast``. With
+        ``fused_weight_casts`` the weights are cast together (:class:`WeightCasts`).
         """
-        with TorchAutocast(
-            device_type=self.device_type, dtype=self.amp.dtype, cache_enabled=autocast_cache
+        weight_casts = self._weight_casts
+        if weight_casts is not None and not weight_casts.observed:
+            autocast_cache = False  # a weight used twice shows two casts (WeightCasts)
+        with (
+            TorchAutocast(
+                device_type=self.device_type, dtype=self.amp.dtype, cache_enabled=autocast_cache
+            ),
+            weight_casts.during_forward() if weight_casts is not None else nullcontext(),
         ):
             outputs = self.compute_forward(batch, Stage.TRAIN)
             loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
         self.amp_step.backward(loss, self.run_opts.grad_accumulation_factor)
         return outputs, loss
+
+    def _set_up_weight_casts(self) -> None:
+        """With ``fused_weight_casts`` and a 16-bit precision, cast the weights together."""
+        if not self.run_opts.fused_weight_casts or self.amp.dtype == torch.float32:
+            return
+        if self._weight_casts is not None:
+            return
+        if self.run_opts.compile:
+            reason = "torch.compile fuses autocast's casts itself (trainer.compile)"
+        elif self.distributed.world_size > 1:
+            reason = (
+                "under DDP the gradients would reach the all-reduce only at the end of the "
+                "backward pass, not overlapped with it"
+            )
+        else:
+            self._weight_casts = WeightCasts(self.modules, self.amp.dtype)
+            return
+        logger.info("precision.fused_weight_casts: off, %s.", reason)
 
     # ------------------------------------------------- whole-step CUDA graphs
     def step_graph_blocker(self) -> str | None:

@@ -44,6 +44,7 @@ class RunOptions:
     graph_step_max_shapes: int = 64  # batch shapes captured at most (later ones run eagerly)
     log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
     allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
+    fused_weight_casts: bool = True  # autocast's weight casts once per step, together (same values)
     onednn_cache_capacity: int | None = None  # CPU kernels oneDNN keeps (None: its own 1024)
     seed: int = 1234  # seed of the data loader's own generator
     distributed_backend: str = "auto"  # DDP backend: auto (nccl on CUDA, gloo on CPU), nccl, gloo

@@ -75,6 +75,7 @@ def benchmark(cfg: DictConfig) -> list[dict]:
         f"real batches {cfg.data.name} ({data.max_batch_seconds:g} "
         f"s padded audio); pad_to_buckets={cfg.data.pad_to_buckets}; compile={t.compile}"
         + (f" ({t.compile_mode}, regions={t.compile_regions})" if t.compile else "")
+        + f"; graph_step={t.graph_step}; fused_weight_casts={cfg.precision.fused_weight_casts}"
         + "\n\n"
     )
     rows = run_benchmark(cfg, build, profile_dir=out, build_modules=fresh_modules, on_progress=save)

@@ -56,6 +56,7 @@ def run_options(cfg: DictConfig) -> RunOptions:
             "precision": cfg.precision.name,
             "eval_precision": cfg.precision.eval_precision,
             "allow_tf32": cfg.precision.allow_tf32,
+            "fused_weight_casts": cfg.precision.fused_weight_casts,
             "onednn_cache_capacity": cfg.device.onednn_cache_capacity,
             "seed": cfg.seed,
         }

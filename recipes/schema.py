@@ -63,6 +63,13 @@ class PrecisionConfig:
             "them in fp32"
         },
     )
+    fused_weight_casts: bool = field(
+        default=True,
+        metadata={
+            "help": "cast the weights autocast casts once per step in one kernel each way "
+            "instead of one per weight (same values; fewer kernels for small models on GPUs)"
+        },
+    )
 
 
 def schema_help(group: str, key: str) -> str:

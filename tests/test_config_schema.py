@@ -135,6 +135,7 @@ def test_eval_precision_defaults_to_the_training_precision(precision):
         "allow_tf32": False,
         "fp32_modules": [],
         "low_precision_norms": False,
+        "fused_weight_casts": True,
     }
 
 

@@ -1,0 +1,280 @@
+"""Autocast's weight casts made together (``precision.fused_weight_casts``): the same values
+as autocast's own casts, in a few kernels instead of two per weight."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from amp_utils import Brain, Stage
+from amp_utils.module_precision import apply_low_precision_norms
+from amp_utils.weight_casts import WeightCasts
+from recipes.asr.model import ConformerCTC
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class OpCounts(TorchDispatchMode):
+    """How many times each aten operation ran (casts are ``_to_copy``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Mixed(nn.Module):
+    """One parameter of each kind: only ``proj``, ``conv`` and ``penalised.bias`` are only
+    cast by autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.norm = nn.LayerNorm(8)  # used by layer_norm itself (CPU autocast keeps it)
+        self.twice = nn.Linear(8, 8)  # applied twice: two casts without the weight cache
+        self.penalised = nn.Linear(8, 8)  # its weight is also used in fp32 (a penalty)
+        self.reshaped = nn.Parameter(torch.randn(64))  # viewed before the matmul
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(self.proj(x).transpose(1, 2)).transpose(1, 2)
+        x = self.twice(self.twice(self.norm(x)))
+        x = self.penalised(x) + self.penalised.weight.square().mean()
+        return self.frozen(x @ self.reshaped.view(8, 8))
+
+
+def _names(model: nn.Module, params: list[nn.Parameter]) -> set[str]:
+    ids = {id(p) for p in params}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def _forward(model: nn.Module, casts: WeightCasts, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", torch.bfloat16, cache_enabled=False), casts.during_forward():
+        return model(x).float().square().mean()
+
+
+def test_only_weights_that_the_forward_pass_only_casts_are_cast_together():
+    model = Mixed()
+    casts = WeightCasts(model, torch.bfloat16)
+    assert not casts.observed and casts.parameters == []
+    _forward(model, casts, torch.randn(2, 5, 8))
+    assert casts.observed
+    assert _names(model, casts.parameters) == {
+        "proj.weight",
+        "proj.bias",
+        "conv.weight",
+        "conv.bias",
+        "penalised.bias",
+    }
+
+
+def test_casting_together_gives_autocasts_values_and_gradients_bit_for_bit():
+    x = torch.randn(2, 5, 8)
+    plain, fused = Mixed(), Mixed()
+    with torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+        expected = plain(x).float().square().mean()
+    expected.backward()
+    casts = WeightCasts(fused, torch.bfloat16)
+    for _ in range(2):  # the first pass observes, the second casts together
+        fused.zero_grad(set_to_none=True)
+        loss = _forward(fused, casts, x)
+        loss.backward()
+    assert torch.equal(loss, expected)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad), name
+
+
+def test_the_modules_get_their_parameters_back_after_the_forward_pass_even_on_error():
+    model = Mixed()
+    before = dict(model.named_parameters())
+    casts = WeightCasts(model, torch.bfloat16)
+    _forward(model, casts, torch.randn(2, 5, 8))
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        torch.autocast("cpu", torch.bfloat16),
+        casts.during_forward(),
+    ):
+        assert model.proj.weight.dtype == torch.bfloat16  # the view, during the pass
+        raise RuntimeError("boom")
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] and isinstance(after[k], nn.Parameter) for k in after)
+
+
+def test_a_tied_weight_is_replaced_in_every_module_that_holds_it():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.unused = nn.Linear(4, 4)  # holds the weight first, never runs
+            self.used = nn.Linear(4, 4)
+            self.used.weight = self.unused.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    model = Tied()
+    casts = WeightCasts(model, torch.bfloat16)
+    x = torch.randn(3, 4)
+    _forward(model, casts, x)
+    assert id(model.used.weight) in {id(p) for p in casts.parameters}
+    with torch.autocast("cpu", torch.bfloat16), casts.during_forward():
+        assert model.used.weight is model.unused.weight
+        assert model.used.weight.dtype == torch.bfloat16
+
+
+def _conformer(low_precision_norms: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = ConformerCTC(n_mels=40, d_model=64, num_layers=2, num_heads=4, ffn_dim=128).train()
+    if low_precision_norms:
+        apply_low_precision_norms(model)
+    return model
+
+
+@pytest.mark.parametrize("low_precision_norms", [False, True])
+def test_the_conformers_step_runs_a_few_casts_instead_of_two_per_weight(low_precision_norms):
+    feats, lens = torch.randn(2, 80, 40), torch.full((2,), 80)
+
+    def casts_in_a_step(fused: bool) -> tuple[int, int]:
+        model = _conformer(low_precision_norms)
+        casts = WeightCasts(model, torch.bfloat16)
+        _forward_ctc(model, casts if fused else None, feats, lens)  # observes
+        with OpCounts() as ops:
+            _forward_ctc(model, casts if fused else None, feats, lens).backward()
+        return ops.counts["_to_copy"], len(casts.parameters)
+
+    plain, _ = casts_in_a_step(fused=False)
+    fused, together = casts_in_a_step(fused=True)
+    # every weight cast together saves its forward cast and its gradient's cast back;
+    # the group costs one cast each way
+    assert together > 20
+    assert fused == plain - 2 * together + 2
+
+
+def _forward_ctc(model, casts, feats, lens) -> torch.Tensor:
+    with torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+        if casts is None:
+            return model(feats, lens)[0].float().square().mean()
+        with casts.during_forward():
+            return model(feats, lens)[0].float().square().mean()
+
+
+class ConformerBrain(Brain):
+    def compute_forward(self, batch, stage):
+        feats, lens, _ = batch
+        return self.modules.model(feats, lens)[0]
+
+    def compute_objectives(self, predictions, batch, stage):
+        return torch.nn.functional.mse_loss(predictions.float(), batch[2])
+
+
+def _train(precision: str, fused: bool, steps: int = 4, **options) -> tuple[list, Brain]:
+    model = _conformer()
+    brain = ConformerBrain(
+        {"model": model},
+        opt_class=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        run_opts={
+            "device": "cpu",
+            "noprogressbar": True,
+            "precision": precision,
+            "fused_weight_casts": fused,
+            **options,
+        },
+    )
+    brain.on_fit_start()
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        feats = torch.randn(2, 80, 40, generator=gen)
+        target = torch.randn(2, 19, 29, generator=gen)  # 4x subsampled frames, CTC classes
+        losses.append(brain.train_step((feats, torch.full((2,), 80), target)))
+    brain.flush_pending()
+    return losses, brain
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_training_with_the_casts_together_is_bit_for_bit_training_without(precision):
+    torch.manual_seed(7)  # dropout masks: both runs draw the same ones
+    expected, plain = _train(precision, fused=False)
+    torch.manual_seed(7)
+    losses, fused = _train(precision, fused=True)
+    assert fused._weight_casts is not None and len(fused._weight_casts.parameters) > 20
+    assert plain._weight_casts is None
+    assert [float(x) for x in losses] == [float(x) for x in expected]
+    trained = fused.modules.model.state_dict()
+    for name, value in plain.modules.model.state_dict().items():
+        assert torch.equal(trained[name], value), name
+    assert fused.optimizer_step == plain.optimizer_step == 4
+
+
+def test_fp32_and_compiled_runs_leave_the_casts_to_autocast(caplog):
+    _, fp32 = _train("fp32", fused=True, steps=1)
+    assert fp32._weight_casts is None
+    model = _conformer()
+    with caplog.at_level(logging.INFO, logger="amp_utils.brain"):
+        brain = ConformerBrain(
+            {"model": model},
+            run_opts={"device": "cpu", "precision": "bf16", "compile": True},
+        )
+        brain._compile = lambda: None  # the decision only: nothing is compiled here
+        brain._set_up_weight_casts()
+    assert brain._weight_casts is None
+    assert "fused_weight_casts: off, torch.compile fuses" in caplog.text
+
+
+def test_evaluation_is_unchanged_and_parameters_stay_parameters():
+    _, brain = _train("bf16", fused=True, steps=2)
+    model = brain.modules.model
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+    feats = torch.randn(2, 80, 40)
+    batch = (feats, torch.full((2,), 80), torch.zeros(2, 19, 29))
+    assert torch.isfinite(brain.evaluate_batch(batch, Stage.VALID))
+
+
+def test_the_brain_observes_with_autocasts_weight_cache_off():
+    """With the cache, a weight used twice is cast once and would look like a linear's;
+    a captured step (no cache) then casts it twice and sums its gradients in fp32."""
+
+    class MixedBrain(Brain):
+        def compute_forward(self, batch, stage):
+            return self.modules.model(batch)
+
+        def compute_objectives(self, predictions, batch, stage):
+            return predictions.float().square().mean()
+
+    model = Mixed()
+    brain = MixedBrain(
+        {"model": model},
+        opt_class=lambda params: torch.optim.SGD(params, lr=0.1),
+        run_opts={"device": "cpu", "noprogressbar": True, "precision": "bf16"},
+    )
+    brain.on_fit_start()
+    brain.train_step(torch.randn(2, 5, 8))
+    assert _names(model, brain._weight_casts.parameters) == {
+        "proj.weight",
+        "proj.bias",
+        "conv.weight",
+        "conv.bias",
+        "penalised.bias",
+    }
+
+
+def test_a_weight_stored_transposed_keeps_autocasts_cast_and_its_strides():
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4)
+    layer.weight = nn.Parameter(torch.randn(8, 4).t())  # non-contiguous storage
+    casts = WeightCasts(layer, torch.bfloat16)
+    _forward(layer, casts, torch.randn(3, 8))
+    assert _names(layer, casts.parameters) == {"bias"}
