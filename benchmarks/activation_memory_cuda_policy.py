@@ -35,9 +35,11 @@ CONFORMER_M = dict(n_mels=80, d_model=256, num_layers=16, num_heads=4, ffn_dim=1
 
 def use_cuda_kernel_choices() -> None:
     """Turn off ``fast_kernels``' CPU-only choices (fp32 attention and depthwise
-    convolutions, 16-bit dropout masks): the model then saves what it saves on CUDA."""
+    convolutions, fp32 convolutions under fp16, 16-bit dropout masks): the model then
+    saves what it saves on CUDA."""
     fast_kernels._SLOW_ON_CPU = ()
     fast_kernels._depthwise_on_cpu = lambda conv, x: False
+    fast_kernels.fp16_on_cpu = lambda x: False
     fast_kernels.dropout = F.dropout
 
 

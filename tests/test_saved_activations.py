@@ -175,7 +175,7 @@ def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes(monkeypatch)
     import amp_utils.fast_kernels as fast_kernels
     from benchmarks.activation_memory_cuda_policy import conformer_m, use_cuda_kernel_choices
 
-    for name in ("_SLOW_ON_CPU", "_depthwise_on_cpu", "dropout"):
+    for name in ("_SLOW_ON_CPU", "_depthwise_on_cpu", "dropout", "fp16_on_cpu"):
         monkeypatch.setattr(fast_kernels, name, getattr(fast_kernels, name))
     use_cuda_kernel_choices()
     feats, lens = torch.randn(1, 64, 80), torch.tensor([64])
