@@ -6,6 +6,8 @@
 #                      torch.profiler summary of 3 more steps per row (why a target is missed)
 #   bench_graphs_unfused  bench_graphs' bf16 Brain row with precision.fused_weight_casts=false:
 #                      autocast's own per-weight casts, the A/B of the casts made together
+#   bench_graphs_low_norms  bench_graphs' bf16 Brain row with precision.low_precision_norms=true
+#                      (with the weights cast together: 1.02x fp32's operations, counted on a CPU)
 #   graph_tests        pytest -m gpu of the whole-step graphs and the device-side CTC loss
 #   default_runs       the README's command as a user runs it (python recipes/train.py -m
 #                      precision=fp32,bf16 device=cuda: the default recipe with its default
@@ -41,7 +43,7 @@
 # comes last.
 # Next lease (~900 s with the start): command 1 the defaults (graph_tests, default_runs and
 # most of bench_m_graphs fit DEADLINE 560); command 2 with what is left, e.g.
-#   PARTS="bench_m_graphs bench_graphs bench_graphs_unfused bench_graphs_compiled activation_memory" \
+#   PARTS="bench_m_graphs bench_graphs bench_graphs_unfused bench_graphs_low_norms activation_memory" \
 #     M_GRAPHS_PRECISIONS=[bf16] DEADLINE=<left - 60> bash benchmarks/gpu_lease.sh
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
 # every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
@@ -93,6 +95,7 @@ BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-230}  # seconds for bench_m_graphs 
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
 BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s on the H200)
 BENCH_GRAPHS_UNFUSED_LIMIT=${BENCH_GRAPHS_UNFUSED_LIMIT:-45}  # one bf16 row (not measured yet)
+BENCH_GRAPHS_LOW_NORMS_LIMIT=${BENCH_GRAPHS_LOW_NORMS_LIMIT:-45}  # one bf16 row (not measured yet)
 BENCH_GRAPHS_COMPILED_LIMIT=${BENCH_GRAPHS_COMPILED_LIMIT:-140}  # fp32 and bf16, ~65 s each (compile)
 GRAPH_TESTS_LIMIT=${GRAPH_TESTS_LIMIT:-160}    # seconds for graph_tests (96 s before its compiled-blocks test)
 GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
@@ -107,7 +110,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"graph_tests default_runs bench_m_graphs bench_graphs bench_graphs_unfused bench_graphs_compiled activation_memory bench_m gpu_tests sweep bench_small"}
+PARTS=${PARTS:-"graph_tests default_runs bench_m_graphs bench_graphs bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled activation_memory bench_m gpu_tests sweep bench_small"}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -176,6 +179,11 @@ part_bench_graphs() {
 part_bench_graphs_unfused() {
   bench_small_run bench_graphs_unfused "$BENCH_GRAPHS_UNFUSED_LIMIT" fast_path=step_graphs \
     precision.fused_weight_casts=false benchmark.precisions=[bf16] benchmark.modes=[brain] \
+    benchmark.profile_steps=3
+}
+part_bench_graphs_low_norms() {
+  bench_small_run bench_graphs_low_norms "$BENCH_GRAPHS_LOW_NORMS_LIMIT" fast_path=step_graphs \
+    precision.low_precision_norms=true benchmark.precisions=[bf16] benchmark.modes=[brain] \
     benchmark.profile_steps=3
 }
 part_bench_graphs_compiled() {
@@ -264,11 +272,11 @@ part_sweep() {
 for part in $PARTS; do
   case $part in
     bench_m | bench_m_graphs | bench_small | bench_small_eager | bench_graphs | gpu_tests | \
-      bench_graphs_compiled | bench_graphs_unfused | graph_tests | sweep | default_runs | \
+      bench_graphs_compiled | bench_graphs_unfused | bench_graphs_low_norms | graph_tests | sweep | default_runs | \
       activation_memory)
       "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (default_runs activation_memory bench_graphs bench_graphs_unfused bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+    *) echo "$part: unknown part (default_runs activation_memory bench_graphs bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
       | tee -a "$WORK/parts.txt" ;;
   esac
 done
@@ -285,6 +293,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
 {
   cat "$WORK/parts.txt"
   for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_graphs_unfused/benchmark.md \
+    "$WORK"/bench_graphs_low_norms/benchmark.md \
     "$WORK"/bench_graphs_compiled/benchmark.md \
     "$WORK"/bench_m_graphs/benchmark.md \
     "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory_norms_*/activation_memory.md \

@@ -76,6 +76,7 @@ def benchmark(cfg: DictConfig) -> list[dict]:
         f"s padded audio); pad_to_buckets={cfg.data.pad_to_buckets}; compile={t.compile}"
         + (f" ({t.compile_mode}, regions={t.compile_regions})" if t.compile else "")
         + f"; graph_step={t.graph_step}; fused_weight_casts={cfg.precision.fused_weight_casts}"
+        + f"; low_precision_norms={cfg.precision.low_precision_norms}"
         + "\n\n"
     )
     rows = run_benchmark(cfg, build, profile_dir=out, build_modules=fresh_modules, on_progress=save)
