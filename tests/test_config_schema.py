@@ -313,3 +313,9 @@ def test_device_sizes_the_onednn_cache_for_the_brain(device):
     cfg = compose_config([f"device={device}", "device.onednn_cache_capacity=-1"])
     with pytest.raises(ConfigError, match="device.onednn_cache_capacity=-1 is not valid.*>= 0"):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_weight_casts_reaches_the_brains_run_options(fused):
+    cfg = compose_config(["precision=bf16", f"precision.fused_weight_casts={fused}"])
+    assert run_options(cfg).fused_weight_casts is fused

@@ -219,19 +219,26 @@ def test_training_with_the_casts_together_is_bit_for_bit_training_without(precis
     assert fused.optimizer_step == plain.optimizer_step == 4
 
 
-def test_fp32_and_compiled_runs_leave_the_casts_to_autocast(caplog):
+def test_fp32_compiled_and_ddp_runs_leave_the_casts_to_autocast(caplog):
+    from amp_utils.distributed import DistributedInfo
+
     _, fp32 = _train("fp32", fused=True, steps=1)
     assert fp32._weight_casts is None
-    model = _conformer()
     with caplog.at_level(logging.INFO, logger="amp_utils.brain"):
-        brain = ConformerBrain(
-            {"model": model},
+        compiled = ConformerBrain(
+            {"model": _conformer()},
             run_opts={"device": "cpu", "precision": "bf16", "compile": True},
         )
-        brain._compile = lambda: None  # the decision only: nothing is compiled here
-        brain._set_up_weight_casts()
-    assert brain._weight_casts is None
+        compiled._set_up_weight_casts()  # the decision only: nothing is compiled here
+        ddp = ConformerBrain({"model": _conformer()}, run_opts={"precision": "bf16"})
+        ddp.distributed = DistributedInfo(world_size=2, backend="gloo")
+        ddp._set_up_weight_casts()
+        alone = ConformerBrain({"model": _conformer()}, run_opts={"precision": "bf16"})
+        alone._set_up_weight_casts()
+    assert compiled._weight_casts is None and ddp._weight_casts is None
+    assert alone._weight_casts is not None
     assert "fused_weight_casts: off, torch.compile fuses" in caplog.text
+    assert "fused_weight_casts: off, under DDP the gradients" in caplog.text
 
 
 def test_evaluation_is_unchanged_and_parameters_stay_parameters():
