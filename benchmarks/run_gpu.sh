@@ -8,7 +8,8 @@
 #                      autocast's own per-weight casts, the A/B of the casts made together
 #   bench_graphs_low_norms  bench_graphs' bf16 Brain row with precision.low_precision_norms=true
 #                      (with the weights cast together: 1.02x fp32's operations, counted on a CPU)
-#   graph_tests        pytest -m gpu of the whole-step graphs and the device-side CTC loss
+#   graph_tests        pytest -m gpu of the weights cast together (fused_weight_casts, the
+#                      default since 3766fcf), the whole-step graphs and the device-side CTC loss
 #   default_runs       the README's command as a user runs it (python recipes/train.py -m
 #                      precision=fp32,bf16 device=cuda: the default recipe with its default
 #                      fast_path=auto, i.e. whole-step graphs), one precision after the
@@ -224,7 +225,7 @@ part_gpu_tests() {
 
 part_graph_tests() {
   run_part graph_tests "$GRAPH_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider \
-    --no-header tests/test_step_graphs.py tests/test_ctc_on_device.py
+    --no-header tests/test_weight_casts.py tests/test_step_graphs.py tests/test_ctc_on_device.py
 }
 
 # sweep: precision sweep of experiment=gpu_asr. The precisions train at the same time on the

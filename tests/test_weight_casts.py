@@ -174,19 +174,21 @@ def _forward_ctc(model, casts, feats, lens) -> torch.Tensor:
 class ConformerBrain(Brain):
     def compute_forward(self, batch, stage):
         feats, lens, _ = batch
-        return self.modules.model(feats, lens)[0]
+        return self.modules.model(feats.to(self.device), lens.to(self.device))[0]
 
     def compute_objectives(self, predictions, batch, stage):
-        return torch.nn.functional.mse_loss(predictions.float(), batch[2])
+        return torch.nn.functional.mse_loss(predictions.float(), batch[2].to(self.device))
 
 
-def _train(precision: str, fused: bool, steps: int = 4, **options) -> tuple[list, Brain]:
+def _train(
+    precision: str, fused: bool, steps: int = 4, device: str = "cpu", **options
+) -> tuple[list, Brain]:
     model = _conformer()
     brain = ConformerBrain(
         {"model": model},
         opt_class=lambda params: torch.optim.AdamW(params, lr=1e-2),
         run_opts={
-            "device": "cpu",
+            "device": device,
             "noprogressbar": True,
             "precision": precision,
             "fused_weight_casts": fused,
@@ -217,6 +219,26 @@ def test_training_with_the_casts_together_is_bit_for_bit_training_without(precis
     for name, value in plain.modules.model.state_dict().items():
         assert torch.equal(trained[name], value), name
     assert fused.optimizer_step == plain.optimizer_step == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_on_cuda_the_casts_together_train_as_autocasts_own(cuda_device, precision, monkeypatch):
+    """CUDA's autocast policy differs from the CPU's (LayerNorm in fp32): the same check on
+    CUDA. Bit for bit where two plain runs agree bit for bit (deterministic kernels)."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    runs = {}
+    for name, fused in (("plain", False), ("again", False), ("fused", True)):
+        torch.manual_seed(7)
+        losses, brain = _train(precision, fused=fused, device=str(cuda_device))
+        runs[name] = torch.stack(losses).cpu()
+    assert len(brain._weight_casts.parameters) > 20
+    if torch.equal(runs["plain"], runs["again"]):
+        assert torch.equal(runs["fused"], runs["plain"])
+    else:  # the kernels themselves vary from run to run: as close as two plain runs
+        spread = (runs["plain"] - runs["again"]).abs().max()
+        assert (runs["fused"] - runs["plain"]).abs().max() <= 2 * spread
 
 
 def test_fp32_compiled_and_ddp_runs_leave_the_casts_to_autocast(caplog):
