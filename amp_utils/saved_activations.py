@@ -259,8 +259,9 @@ def activation_memory(
     return ActivationMemory(precision, fp32, low)
 
 
-def training_activation_memory(brain: Any, batch: Any) -> ActivationMemory:
-    """``activation_memory`` of a Brain's training forward and loss on ``batch``."""
+def training_forward(brain: Any, batch: Any) -> Callable[[], torch.Tensor]:
+    """A function that runs a Brain's training forward pass and loss on ``batch`` (moved
+    to the Brain's device) and returns the loss: what the measurements here run."""
     from amp_utils.brain import Stage
 
     on_device = batch.to(brain.device) if hasattr(batch, "to") else batch
@@ -269,9 +270,18 @@ def training_activation_memory(brain: Any, batch: Any) -> ActivationMemory:
         predictions = brain.compute_forward(on_device, Stage.TRAIN)
         return brain.compute_objectives(predictions, on_device, Stage.TRAIN)
 
+    return forward
+
+
+def training_activation_memory(brain: Any, batch: Any) -> ActivationMemory:
+    """``activation_memory`` of a Brain's training forward and loss on ``batch``."""
     brain.modules.train()
     memory = activation_memory(
-        brain.modules, forward, brain.device_type, brain.amp.name, brain.amp.dtype
+        brain.modules,
+        training_forward(brain, batch),
+        brain.device_type,
+        brain.amp.name,
+        brain.amp.dtype,
     )
     memory.state_bytes = training_state_bytes(brain.modules, brain.optimizers_dict.values())
     return memory

@@ -35,34 +35,51 @@ from torch.utils._python_dispatch import TorchDispatchMode
 logger = logging.getLogger(__name__)
 
 
-class _ParameterUses(TorchDispatchMode):
-    """Records, for each watched parameter, the operations its forward pass applies to it."""
+class ParameterUses(TorchDispatchMode):
+    """Records, for each watched parameter, the operations a forward pass applies to it.
+
+    :meth:`qualifying` then names the parameters whose only use was one cast to ``dtype``:
+    those :class:`WeightCasts` casts together.
+    """
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
+        self.params = params
         self._index = {id(p): i for i, p in enumerate(params)}
         self.casts: Counter[int] = Counter()  # parameter index -> casts to ``dtype``
         self.other_uses: Counter[int] = Counter()  # parameter index -> any other operation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
+        self.record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def record(self, func, args, kwargs) -> None:  # noqa: ANN001
+        """Note what ``func`` does to each watched parameter among ``args``."""
         for arg in args:
             index = self._index.get(id(arg)) if isinstance(arg, torch.Tensor) else None
             if index is None:
                 continue
-            if self._is_autocast_cast(func, args, kwargs):
+            if self.is_cast_to_dtype(func, args, kwargs):
                 self.casts[index] += 1
             else:
                 self.other_uses[index] += 1
-        return func(*args, **kwargs)
 
-    def _is_autocast_cast(self, func, args, kwargs) -> bool:  # noqa: ANN001
-        """A plain cast of the tensor to the autocast dtype (nothing else changed)."""
+    def is_cast_to_dtype(self, func, args, kwargs) -> bool:  # noqa: ANN001
+        """A plain cast of one tensor to ``dtype`` (nothing else changed), as autocast's."""
         if func is not torch.ops.aten._to_copy.default or len(args) != 1:
             return False
         changed = {key for key, value in kwargs.items() if value is not None}
         return kwargs.get("dtype") == self.dtype and changed <= {"dtype", "non_blocking"}
+
+    def qualifying(self) -> list[nn.Parameter]:
+        """The parameters cast exactly once and used for nothing else (contiguous ones)."""
+        return [
+            p
+            for i, p in enumerate(self.params)
+            if self.casts[i] == 1 and self.other_uses[i] == 0 and p.is_contiguous()
+        ]
 
 
 class WeightCasts:
@@ -115,13 +132,9 @@ class WeightCasts:
         with and without its cache.
         """
         if self._cast is None:
-            with _ParameterUses(self._candidates, self.dtype) as uses:
+            with ParameterUses(self._candidates, self.dtype) as uses:
                 yield
-            self._cast = [
-                p
-                for i, p in enumerate(self._candidates)
-                if uses.casts[i] == 1 and uses.other_uses[i] == 0 and p.is_contiguous()
-            ]
+            self._cast = uses.qualifying()
             logger.info(
                 "Autocast weight casts: %d of %d parameters are cast to %s together, once "
                 "per step (the others are not only cast by the forward pass).",

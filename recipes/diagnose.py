@@ -8,7 +8,9 @@ Takes the same config groups and overrides as ``recipes/train.py``, trains a few
 (from scratch; nothing is saved) and writes ``numerics.md`` and ``numerics.json`` into its run
 folder and log2|x| histograms of activations and gradients into ``tb/``. It also writes
 ``activation_memory.md``/``.json``: what the backward pass keeps of one batch under fp32 and
-under the precision, by dtype and module (why bf16/fp16 save less memory than half).
+under the precision, by dtype and module (why bf16/fp16 save less memory than half), and
+``step_operations.md``/``.json``: the operations of one training step under fp32 and under the
+precision, with its casts sorted (why bf16/fp16 may be no faster on a GPU).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from amp_utils.numerics_report import (
 )
 from amp_utils.precision import resolve_device
 from amp_utils.saved_activations import training_activation_memory
+from amp_utils.step_operations import training_step_operations
 from amp_utils.tensorboard import TensorBoardLogger
 from recipes.config import (
     ConfigError,
@@ -101,6 +104,9 @@ def diagnose(cfg: DictConfig) -> NumericsReport:
     memory = training_activation_memory(brain, next(iter(train_batches)))
     atomic_write_text(out / "activation_memory.md", memory.markdown(brain.modules))
     atomic_write_json(out / "activation_memory.json", memory.to_json())
+    operations = training_step_operations(brain, next(iter(train_batches)))
+    atomic_write_text(out / "step_operations.md", operations.markdown())
+    atomic_write_json(out / "step_operations.json", operations.to_json())
     for sentence in report.overall.values():
         logger.info(sentence)
     logger.info(
@@ -108,6 +114,13 @@ def diagnose(cfg: DictConfig) -> NumericsReport:
         memory.precision,
         memory.ratio,
         out / "activation_memory.md",
+    )
+    logger.info(
+        "step operations: %s runs %.2fx fp32's operations, %d of them casts (%s)",
+        operations.precision,
+        operations.ratio,
+        operations.low.casts,
+        out / "step_operations.md",
     )
     logger.info("fix: %s", report.fix_line() or "none needed")
     logger.info("report: %s", out / "numerics.md")

@@ -302,6 +302,13 @@ def test_recipe_report_fp16_has_no_false_alarms_and_writes_its_files(fp16_recipe
     memory_md = (out / "activation_memory.md").read_text()
     assert memory_md.startswith("# Activation memory: fp16 against fp32")
     assert "| `model.blocks.0.attention" in memory_md or "| `model.blocks.0" in memory_md
+    # why fp16 runs more operations than fp32: counted, the casts sorted
+    operations = json.loads((out / "step_operations.json").read_text())
+    assert operations["precision"] == "fp16" and operations["ratio"] > 1.0
+    assert operations["fp32"]["casts"] <= 2 < operations["fp16"]["weight_casts"]
+    assert 0 < operations["fp16"]["fusable_weights"] <= operations["fp16"]["weight_casts"]
+    assert operations["with_fused_weight_casts"] < operations["fp16"]["total"]
+    assert "fused_weight_casts` (on in this run)" in (out / "step_operations.md").read_text()
 
 
 @pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores
