@@ -27,7 +27,8 @@
 #                      fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
 #   activation_memory  recipes/diagnose.py on experiment=gpu_asr in bf16 with the sweep's
 #                      batches: what the backward pass keeps under fp32 and bf16, by dtype and
-#                      module (why bf16's peak memory was 0.63x fp32's, target 0.6x)
+#                      module (why bf16's peak memory was 0.63x fp32's, target 0.6x), and
+#                      the step's operations under CUDA's autocast, casts sorted
 #   gpu_tests          pytest -m gpu
 #   bench_small_eager  the small recipe without the fast path
 # Each part runs under its own time limit inside one deadline; what a part finished is kept.
@@ -298,6 +299,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     "$WORK"/bench_graphs_compiled/benchmark.md \
     "$WORK"/bench_m_graphs/benchmark.md \
     "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory_norms_*/activation_memory.md \
+    "$WORK"/activation_memory_norms_*/step_operations.md \
     "$WORK"/default_runs/summary.md "$WORK"/sweep_gpu_asr/summary.md \
     "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do
