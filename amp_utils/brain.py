@@ -226,6 +226,7 @@ class Brain:
         self._warned_data_wait = False
         self._step_graphs: StepGraphs | None = None
         self._weight_casts: WeightCasts | None = None  # fused_weight_casts, once set up
+        self._eval_casts: WeightCasts | None = None  # the same for evaluation
         self._capturable: CapturableOptimizers | None = None
 
         if self.checkpointer is not None:
@@ -504,6 +505,18 @@ class Brain:
             return
         logger.info("precision.fused_weight_casts: off, %s.", reason)
 
+    def _eval_weight_casts(self) -> WeightCasts | None:
+        """``fused_weight_casts`` for validation and test forward passes (16-bit
+        ``eval_precision``, modules not compiled for evaluation): observed on the first
+        evaluated batch, as training's are on the first training batch."""
+        if self._eval_casts is None and (
+            self.run_opts.fused_weight_casts
+            and self.eval_amp.dtype != torch.float32
+            and not (self._compiled and self.run_opts.compile_eval)
+        ):
+            self._eval_casts = WeightCasts(self.modules, self.eval_amp.dtype)
+        return self._eval_casts
+
     # ------------------------------------------------- whole-step CUDA graphs
     def step_graph_blocker(self) -> str | None:
         """Why this run's training step cannot be captured whole (``graph_step``), or None.
@@ -668,9 +681,11 @@ class Brain:
         """Evaluate one batch under ``eval_precision``; returns the detached loss."""
         self.mark_step()
         eager = self._compiled and not self.run_opts.compile_eval
+        weight_casts = self._eval_weight_casts()
         with (
             torch.compiler.set_stance("force_eager") if eager else nullcontext(),
             TorchAutocast(device_type=self.device_type, dtype=self.eval_amp.dtype),
+            weight_casts.during_forward() if weight_casts is not None else nullcontext(),
         ):
             outputs = self.compute_forward(batch, stage)
             loss = self.compute_objectives(outputs, batch, stage)

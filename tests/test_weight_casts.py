@@ -244,8 +244,10 @@ def test_on_cuda_the_casts_together_train_as_autocasts_own(cuda_device, precisio
 def test_fp32_compiled_and_ddp_runs_leave_the_casts_to_autocast(caplog):
     from amp_utils.distributed import DistributedInfo
 
-    _, fp32 = _train("fp32", fused=True, steps=1)
-    assert fp32._weight_casts is None
+    _, fp32 = _train("fp32", fused=True, steps=1, eval_precision="fp32")
+    batch = (torch.randn(2, 80, 40), torch.full((2,), 80), torch.zeros(2, 19, 29))
+    fp32.evaluate_batch(batch, Stage.VALID)
+    assert fp32._weight_casts is None and fp32._eval_casts is None
     with caplog.at_level(logging.INFO, logger="amp_utils.brain"):
         compiled = ConformerBrain(
             {"model": _conformer()},
@@ -258,18 +260,35 @@ def test_fp32_compiled_and_ddp_runs_leave_the_casts_to_autocast(caplog):
         alone = ConformerBrain({"model": _conformer()}, run_opts={"precision": "bf16"})
         alone._set_up_weight_casts()
     assert compiled._weight_casts is None and ddp._weight_casts is None
+    for compile_eval in (True, False):  # compiled evaluation: inductor fuses its casts
+        evaluating = ConformerBrain(
+            {"model": _conformer()},
+            run_opts={"precision": "bf16", "eval_precision": "bf16", "compile_eval": compile_eval},
+        )
+        evaluating._compiled = True  # as after _compile(), without compiling here
+        assert (evaluating._eval_weight_casts() is None) == compile_eval
     assert alone._weight_casts is not None
     assert "fused_weight_casts: off, torch.compile fuses" in caplog.text
     assert "fused_weight_casts: off, under DDP the gradients" in caplog.text
 
 
-def test_evaluation_is_unchanged_and_parameters_stay_parameters():
-    _, brain = _train("bf16", fused=True, steps=2)
-    model = brain.modules.model
+def test_evaluation_casts_together_too_with_the_same_losses():
+    torch.manual_seed(7)
+    _, plain = _train("bf16", fused=False, steps=2, eval_precision="bf16")
+    torch.manual_seed(7)
+    _, fused = _train("bf16", fused=True, steps=2, eval_precision="bf16")
+    plain.modules.eval(), fused.modules.eval()  # as the evaluation loop sets them
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):  # the first observes, the second casts together
+        feats = torch.randn(2, 80, 40, generator=gen)
+        batch = (feats, torch.full((2,), 80), torch.zeros(2, 19, 29))
+        with torch.no_grad():
+            expected = plain.evaluate_batch(batch, Stage.VALID)
+            loss = fused.evaluate_batch(batch, Stage.VALID)
+        assert torch.equal(loss, expected)
+    assert plain._eval_casts is None and len(fused._eval_casts.parameters) > 20
+    model = fused.modules.model
     assert all(isinstance(p, nn.Parameter) for p in model.parameters())
-    feats = torch.randn(2, 80, 40)
-    batch = (feats, torch.full((2,), 80), torch.zeros(2, 19, 29))
-    assert torch.isfinite(brain.evaluate_batch(batch, Stage.VALID))
 
 
 def test_the_brain_observes_with_autocasts_weight_cache_off():
