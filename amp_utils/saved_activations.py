@@ -56,6 +56,46 @@ class SavedBytes:
         per_module[dtype] = per_module.get(dtype, 0) + nbytes
 
 
+class ModuleStack:
+    """Which module's forward is running, innermost first, while the context is active.
+
+    ``labels_and_modules`` gives each watched module its label (its name, its type...);
+    :attr:`current` is the label of the innermost one running, or None outside them all.
+    """
+
+    def __init__(self, labels_and_modules: Iterable[tuple[str, nn.Module]]) -> None:
+        self._modules = list(labels_and_modules)
+        self._stack: list[str] = []
+        self._handles: list[Any] = []
+
+    @property
+    def current(self) -> str | None:
+        """The label of the innermost watched module running now."""
+        return self._stack[-1] if self._stack else None
+
+    def __enter__(self) -> ModuleStack:
+        for label, module in self._modules:
+            self._handles.append(module.register_forward_pre_hook(self._enter(label)))
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def _enter(self, label: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._stack.append(label)
+
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+
 class SavedActivations:
     """Context counting the tensors autograd saves for backward while it is active.
 
@@ -74,38 +114,21 @@ class SavedActivations:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.result = SavedBytes()
-        self._stack: list[str] = []
+        self._running = ModuleStack((name, m) for name, m in model.named_modules() if name)
         self._seen: set[int] = set()
         self._params: set[int] = set()
-        self._handles: list[Any] = []
         self._hooks: Any = None
 
     def __enter__(self) -> SavedActivations:
         self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        for name, module in self.model.named_modules():
-            if name:
-                self._handles.append(module.register_forward_pre_hook(self._enter(name)))
-                self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+        self._running.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._stack.clear()
-
-    def _enter(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._stack.append(name)
-
-        return hook
-
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._stack:
-            self._stack.pop()
+        self._running.__exit__(*exc)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.layout != torch.strided:  # sparse/nested: no plain storage to count
@@ -115,7 +138,7 @@ class SavedActivations:
         if key in self._params or key in self._seen or storage.nbytes() == 0:
             return tensor
         self._seen.add(key)
-        module = self._stack[-1] if self._stack else ""
+        module = self._running.current or ""
         self.result.add(module, dtype_name(tensor.dtype), storage.nbytes())
         return tensor
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from amp_utils.autocast import TorchAutocast
 from amp_utils.rng_state import capture_rng_state, restore_rng_state
-from amp_utils.saved_activations import OUTSIDE, training_forward
+from amp_utils.saved_activations import OUTSIDE, ModuleStack, training_forward
 from amp_utils.weight_casts import ParameterUses
 
 #: Operations that make no kernel: views and autograd bookkeeping.
@@ -65,31 +65,15 @@ class _OperationCount(ParameterUses):
         self._all_params = {id(p) for p in model.parameters()}  # frozen ones too
         self.result = StepOperations()
         self.backward = False  # set for the backward pass
-        self._stack: list[str] = []
-        self._handles: list[Any] = []
+        self._running = ModuleStack((type(m).__name__, m) for m in model.modules())
 
     def __enter__(self) -> _OperationCount:
-        for module in self.model.modules():
-            kind = type(module).__name__
-            self._handles.append(module.register_forward_pre_hook(self._enter(kind)))
-            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+        self._running.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _enter(self, kind: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._stack.append(kind)
-
-        return hook
-
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._stack:
-            self._stack.pop()
+        self._running.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -107,7 +91,7 @@ class _OperationCount(ParameterUses):
         elif id(tensor) in self._all_params:
             self.result.weight_casts += 1
         else:
-            kind = self._stack[-1] if self._stack else OUTSIDE
+            kind = self._running.current or OUTSIDE
             casts = self.result.activation_casts
             casts[kind] = casts.get(kind, 0) + 1
 
