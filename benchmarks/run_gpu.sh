@@ -54,6 +54,10 @@
 # bytes by a count of the block's saves; LayerNorms on bf16 copies of their inputs (fp32
 # statistics inside the kernel: precision.low_precision_norms=true, off by default) would
 # bring the 0.63x towards 0.55x. The part diagnoses both; the accuracy needs a sweep.
+# That sweep: PARTS=sweep SWEEP_PRECISIONS="bf16 bf16_low_norms fp32" (the three train at once,
+# ~300 s; compare test WER in sweep_gpu_asr/summary.md). With the weights cast together
+# (default since 3766fcf) low_precision_norms also brings bf16's step to 1.01-1.02x fp32's
+# operation count (counted on a CPU: benchmarks/results/2026-11-26-cpu-kernel-count.md).
 # Timings on the H200: bench_graphs 72 s; graph_tests 96 s (before its compiled-blocks test);
 # the sweep 272 s (1500 steps); bench_m_graphs ~60 s per variant (fp32, TF32, bf16: the
 # first compile of each); bench_small ~65 s per precision; bench_m's fp32 and TF32 rows
@@ -239,8 +243,14 @@ part_graph_tests() {
 # --only-binary=:all: --platform manylinux2014_x86_64 --no-deps -d .whl), else decode greedily.
 DECODER=
 python3 -c "import flashlight.lib.text" 2>/dev/null || DECODER=model.decoder=greedy
-sweep_run() {  # sweep_run PRECISION: one training run of the sweep
-  python3 recipes/train.py -m experiment=gpu_asr precision="$1" \
+# An entry of SWEEP_PRECISIONS is a precision, or <precision>_low_norms for the same run with
+# precision.low_precision_norms=true (its accuracy against the plain run: e.g.
+# SWEEP_PRECISIONS="bf16 bf16_low_norms fp32").
+sweep_run() {  # sweep_run ENTRY: one training run of the sweep
+  local precision=${1%_low_norms} norms=false
+  [ "$precision" != "$1" ] && norms=true
+  python3 recipes/train.py -m experiment=gpu_asr precision="$precision" \
+    precision.low_precision_norms=$norms \
     device="$DEVICE" data.num_train="$TRAIN_UTTS" data.max_batch_seconds="$TRAIN_BATCH" \
     trainer.epochs="$TRAIN_EPOCHS" model.warmup_steps="$TRAIN_WARMUP" trainer.noprogressbar=true \
     device.num_workers="$TRAIN_WORKERS" $DECODER $M_EXTRA \
