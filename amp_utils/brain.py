@@ -489,9 +489,8 @@ class Brain:
 
     def _set_up_weight_casts(self) -> None:
         """With ``fused_weight_casts`` and a 16-bit precision, cast the weights together."""
-        if not self.run_opts.fused_weight_casts or self.amp.dtype == torch.float32:
-            return
-        if self._weight_casts is not None:
+        wanted = self.run_opts.fused_weight_casts and self.amp.dtype != torch.float32
+        if not wanted or self._weight_casts is not None:
             return
         if self.run_opts.compile:
             reason = "torch.compile fuses autocast's casts itself (trainer.compile)"

@@ -101,10 +101,11 @@ def diagnose(cfg: DictConfig) -> NumericsReport:
         log_histograms(tensorboard.writer, probes.activations, probes.gradients)
     finally:
         tensorboard.close()
-    memory = training_activation_memory(brain, next(iter(train_batches)))
+    batch = next(iter(train_batches))  # one batch for both measurements below
+    memory = training_activation_memory(brain, batch)
     atomic_write_text(out / "activation_memory.md", memory.markdown(brain.modules))
     atomic_write_json(out / "activation_memory.json", memory.to_json())
-    operations = training_step_operations(brain, next(iter(train_batches)))
+    operations = training_step_operations(brain, batch)
     atomic_write_text(out / "step_operations.md", operations.markdown())
     atomic_write_json(out / "step_operations.json", operations.to_json())
     for sentence in report.overall.values():
