@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from amp_utils.autocast import TorchAutocast
 from amp_utils.rng_state import capture_rng_state, restore_rng_state
 
 MB = 2**20
+Measured = TypeVar("Measured")
 OUTSIDE = "(outside modules: the loss)"
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -275,11 +276,21 @@ def activation_memory(
     dropout saves its masks). The generators are reset between the two passes, so both
     draw the same dropout masks.
     """
-    generators = capture_rng_state()
-    fp32 = measure_saved(model, forward, device_type, None)
-    restore_rng_state(generators)
-    low = measure_saved(model, forward, device_type, dtype)
+    fp32, low = fp32_and_precision(
+        lambda autocast_dtype: measure_saved(model, forward, device_type, autocast_dtype), dtype
+    )
     return ActivationMemory(precision, fp32, low)
+
+
+def fp32_and_precision(
+    measure: Callable[[torch.dtype | None], Measured], dtype: torch.dtype | None
+) -> tuple[Measured, Measured]:
+    """``measure(None)`` (fp32), then ``measure(dtype)``, with the generators reset between
+    the two so that both passes draw the same dropout masks and random branches."""
+    generators = capture_rng_state()
+    fp32 = measure(None)
+    restore_rng_state(generators)
+    return fp32, measure(dtype)
 
 
 def training_forward(brain: Any, batch: Any) -> Callable[[], torch.Tensor]:

@@ -31,12 +31,22 @@ import torch
 from torch import nn
 
 from amp_utils.autocast import TorchAutocast
-from amp_utils.rng_state import capture_rng_state, restore_rng_state
-from amp_utils.saved_activations import OUTSIDE, ModuleStack, training_forward
+from amp_utils.saved_activations import (
+    OUTSIDE,
+    ModuleStack,
+    fp32_and_precision,
+    training_forward,
+)
 from amp_utils.weight_casts import ParameterUses
 
-#: Operations that make no kernel: views and autograd bookkeeping.
-_NO_KERNEL = frozenset({"detach", "_unsafe_view", "alias"})
+#: Operations that make no kernel, besides views (``detach`` is one): a view that is not
+#: marked as one.
+_NO_KERNEL = frozenset({"_unsafe_view"})
+
+
+def is_operation(func: torch._ops.OpOverload) -> bool:
+    """Whether an aten call counts as an operation here: it makes a kernel (not a view)."""
+    return not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL
 
 
 @dataclass
@@ -61,7 +71,6 @@ class _OperationCount(ParameterUses):
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, dtype)
-        self.model = model
         self._all_params = {id(p) for p in model.parameters()}  # frozen ones too
         self.result = StepOperations()
         self.backward = False  # set for the backward pass
@@ -77,7 +86,7 @@ class _OperationCount(ParameterUses):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+        if is_operation(func):
             self.result.total += 1
             if _is_float_cast(func, args, kwargs):
                 self._sort_cast(args[0])
@@ -237,10 +246,10 @@ def step_operations(
     fused_weight_casts: bool = True,
 ) -> StepOperationsReport:
     """``count_step_operations`` under fp32 and under ``dtype`` (same dropout masks)."""
-    generators = capture_rng_state()
-    fp32 = count_step_operations(model, forward, device_type, None)
-    restore_rng_state(generators)
-    low = count_step_operations(model, forward, device_type, dtype)
+    fp32, low = fp32_and_precision(
+        lambda autocast_dtype: count_step_operations(model, forward, device_type, autocast_dtype),
+        dtype,
+    )
     return StepOperationsReport(precision, fp32, low, fused_weight_casts)
 
 

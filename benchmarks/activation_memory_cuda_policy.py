@@ -43,11 +43,11 @@ def use_cuda_kernel_choices() -> None:
     fast_kernels.dropout = F.dropout
 
 
-def conformer_m(norms: str) -> nn.Module:
-    """Conformer-M with its LayerNorms as CUDA's autocast runs them (``"autocast"``) or
-    with ``precision.low_precision_norms`` (``"low_precision"``)."""
+def cuda_policy_conformer(sizes: dict, norms: str) -> nn.Module:
+    """A Conformer of ``sizes`` (seeded) with its LayerNorms as CUDA's autocast runs them
+    (``"autocast"``) or with ``precision.low_precision_norms`` (``"low_precision"``)."""
     torch.manual_seed(0)
-    model = ConformerCTC(**CONFORMER_M).train()
+    model = ConformerCTC(**sizes).train()
     if norms == "autocast":
         for module in model.modules():
             if isinstance(module, nn.LayerNorm):
@@ -55,6 +55,11 @@ def conformer_m(norms: str) -> nn.Module:
     else:
         apply_low_precision_norms(model)
     return model
+
+
+def conformer_m(norms: str) -> nn.Module:
+    """Conformer-M with its LayerNorms as :func:`cuda_policy_conformer` runs them."""
+    return cuda_policy_conformer(CONFORMER_M, norms)
 
 
 def main() -> None:

@@ -27,13 +27,15 @@ import collections
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_utils import Brain
-from amp_utils.module_precision import apply_low_precision_norms, run_in_fp32
-from benchmarks.activation_memory_cuda_policy import CONFORMER_M, use_cuda_kernel_choices
-from recipes.asr.model import ConformerCTC
+from amp_utils.step_operations import is_operation
+from benchmarks.activation_memory_cuda_policy import (
+    CONFORMER_M,
+    cuda_policy_conformer,
+    use_cuda_kernel_choices,
+)
 
 #: conf/model/conformer_ctc.yaml with the digits' 40 mel bands
 CONFORMER_SMALL = dict(
@@ -58,7 +60,7 @@ class OperationCount(TorchDispatchMode):
         self.counts: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if not func.is_view and func.overloadpacket.__name__ not in ("detach", "_unsafe_view"):
+        if is_operation(func):
             self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
@@ -78,23 +80,10 @@ class CTCBrain(Brain):
         return F.ctc_loss(log_probs, targets, out_lens, target_lens, zero_infinity=True)
 
 
-def build_model(sizes: dict, low_precision_norms: bool) -> nn.Module:
-    """The Conformer with its LayerNorms as CUDA's autocast runs them, or in low precision."""
-    torch.manual_seed(0)
-    model = ConformerCTC(**sizes).train()
-    if low_precision_norms:
-        apply_low_precision_norms(model)
-    else:
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm):
-                run_in_fp32(module)
-    return model
-
-
 def count_step(sizes: dict, precision: str, fused: bool, low_norms: bool) -> OperationCount:
     """Operations of the third training step (the first observes the weights' uses)."""
     brain = CTCBrain(
-        {"model": build_model(sizes, low_norms)},
+        {"model": cuda_policy_conformer(sizes, "low_precision" if low_norms else "autocast")},
         opt_class=lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),
         run_opts={
             "device": "cpu",

@@ -139,3 +139,12 @@ def test_frozen_weights_count_as_weights_and_same_dtype_copies_are_no_casts():
     ops = count_step_operations(model, _loss(model, x), "cpu", torch.bfloat16)
     assert ops.weight_casts == 4 and ops.fusable_weights == 2  # frozen ones are not fused
     assert ops.activation_casts == {"Linear": 1, "(outside modules: the loss)": 1}
+
+
+def test_views_and_autograd_bookkeeping_are_not_operations():
+    from amp_utils.step_operations import is_operation
+
+    aten = torch.ops.aten
+    views = [aten.view.default, aten.t.default, aten.detach.default, aten._unsafe_view.default]
+    assert not any(map(is_operation, views))
+    assert all(map(is_operation, [aten.mm.default, aten._to_copy.default, aten.cat.default]))
