@@ -471,11 +471,11 @@ class Brain:
         """Autocast forward and objectives, then the scaled backward: (outputs, loss).
 
         ``autocast_cache`` (None: torch's default) passes to ``torch.autocast``. With
-        ``fused_weight_casts`` the weights are cast together (:class:`WeightCasts`).
+        ``fused_weight_casts`` the weights are cast together (:class:`WeightCasts`); the
+        pass that observes which qualify keeps the step's own cache setting, so the first
+        step of a session (of a resumed run too) casts as every other step does.
         """
         weight_casts = self._weight_casts
-        if weight_casts is not None and not weight_casts.observed:
-            autocast_cache = False  # a weight used twice shows two casts (WeightCasts)
         with (
             TorchAutocast(
                 device_type=self.device_type, dtype=self.amp.dtype, cache_enabled=autocast_cache
@@ -485,6 +485,8 @@ class Brain:
             outputs = self.compute_forward(batch, Stage.TRAIN)
             loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
         self.amp_step.backward(loss, self.run_opts.grad_accumulation_factor)
+        if weight_casts is not None:
+            weight_casts.settle_gradients()
         return outputs, loss
 
     def _set_up_weight_casts(self) -> None:

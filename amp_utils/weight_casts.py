@@ -49,22 +49,39 @@ class ParameterUses(TorchDispatchMode):
         self._index = {id(p): i for i, p in enumerate(params)}
         self.casts: Counter[int] = Counter()  # parameter index -> casts to ``dtype``
         self.other_uses: Counter[int] = Counter()  # parameter index -> any other operation
+        self.cast_uses: Counter[int] = Counter()  # parameter index -> uses of its casts
+        # id of a cast's output -> parameter index; the outputs are kept alive for the pass
+        self._cast_of: dict[int, int] = {}
+        self._outputs: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        self.record(func, args, kwargs)
-        return func(*args, **kwargs)
+        cast_of = self.record(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if cast_of is not None:
+            self._cast_of[id(out)] = cast_of
+            self._outputs.append(out)
+        return out
 
-    def record(self, func, args, kwargs) -> None:  # noqa: ANN001
-        """Note what ``func`` does to each watched parameter among ``args``."""
+    def record(self, func, args, kwargs) -> int | None:  # noqa: ANN001
+        """Note what ``func`` does to each watched parameter among ``args``, and each use of
+        a parameter's cast (autocast's weight cache hands one cast to every use). Returns
+        the parameter's index when ``func`` is a cast of one to ``dtype``."""
+        cast_of = None
         for arg in args:
-            index = self._index.get(id(arg)) if isinstance(arg, torch.Tensor) else None
+            if not isinstance(arg, torch.Tensor):
+                continue
+            if id(arg) in self._cast_of:
+                self.cast_uses[self._cast_of[id(arg)]] += 1
+            index = self._index.get(id(arg))
             if index is None:
                 continue
             if self.is_cast_to_dtype(func, args, kwargs):
                 self.casts[index] += 1
+                cast_of = index
             else:
                 self.other_uses[index] += 1
+        return cast_of
 
     def is_cast_to_dtype(self, func, args, kwargs) -> bool:  # noqa: ANN001
         """A plain cast of one tensor to ``dtype`` (nothing else changed), as autocast's."""
@@ -74,11 +91,21 @@ class ParameterUses(TorchDispatchMode):
         return kwargs.get("dtype") == self.dtype and changed <= {"dtype", "non_blocking"}
 
     def qualifying(self) -> list[nn.Parameter]:
-        """The parameters cast exactly once and used for nothing else (contiguous ones)."""
+        """The parameters cast exactly once, whose cast has one use, and used for nothing
+        else (contiguous ones).
+
+        A weight used twice shows two casts without autocast's weight cache, and one cast
+        used twice with it: either way it is left to autocast, so the same parameters
+        qualify with the cache on or off, and casting them together gives autocast's values
+        in both modes (the eager step and the graph-safe step).
+        """
         return [
             p
             for i, p in enumerate(self.params)
-            if self.casts[i] == 1 and self.other_uses[i] == 0 and p.is_contiguous()
+            if self.casts[i] == 1
+            and self.cast_uses[i] <= 1
+            and self.other_uses[i] == 0
+            and p.is_contiguous()
         ]
 
 
@@ -110,6 +137,10 @@ class WeightCasts:
                         self._candidates.append(param)
                     self._slots[id(param)].append((module, name))
         self._cast: list[nn.Parameter] | None = None  # None until observed
+        # For the backward pass of the last forward that cast together: which views it
+        # reached, and which parameters had a gradient before it (see settle_gradients).
+        self._reached: set[int] | None = None
+        self._had_grad: list[bool] = []
 
     @property
     def observed(self) -> bool:
@@ -126,10 +157,8 @@ class WeightCasts:
         """Run the forward pass with the qualifying weights cast together.
 
         The first time, the forward pass runs as usual under autocast while the uses of
-        every parameter are recorded. Call it with autocast's weight cache off on that
-        first pass (``torch.autocast(..., cache_enabled=False)``): a weight used twice then
-        shows two casts and is left to autocast, so the grouped casts match autocast's
-        with and without its cache.
+        every parameter (and of their casts) are recorded. A weight used twice is left to
+        autocast, so the grouped casts match autocast's with and without its weight cache.
         """
         if self._cast is None:
             with ParameterUses(self._candidates, self.dtype) as uses:
@@ -147,6 +176,7 @@ class WeightCasts:
             yield
             return
         views = self.cast_together()
+        self._track_reached(views)
         saved = []
         try:
             for param, view in zip(self._cast, views, strict=True):
@@ -157,6 +187,32 @@ class WeightCasts:
         finally:
             for module, name, param in saved:
                 module._parameters[name] = param
+
+    def _track_reached(self, views: list[torch.Tensor]) -> None:
+        """Note which views the coming backward pass reaches (a hook on each)."""
+        self._reached = None
+        if not views or not views[0].requires_grad:
+            return  # no backward pass follows (evaluation, no_grad)
+        reached: set[int] = set()
+        self._reached = reached
+        self._had_grad = [p.grad is not None for p in self._cast or []]
+        for i, view in enumerate(views):
+            view.register_hook(lambda grad, i=i: reached.add(i))
+
+    def settle_gradients(self) -> None:
+        """After the backward pass: a qualifying parameter that this forward pass did not
+        use gets back the gradient it had (None when it had none), not the zeros its slice
+        of the flat cast's gradient holds.
+
+        Under autocast's own casts an unused weight (an optional head, a dropped layer) has
+        no gradient, so the optimizer leaves it and its moments alone; so it must be here.
+        """
+        reached, self._reached = self._reached, None
+        if reached is None:
+            return
+        for i, (param, had) in enumerate(zip(self._cast or [], self._had_grad, strict=True)):
+            if i not in reached and not had:
+                param.grad = None
 
     def cast_together(self) -> list[torch.Tensor]:
         """Low-precision copies of the qualifying parameters, views of one flat tensor.

@@ -223,11 +223,15 @@ def test_capturable_optimizers_hold_lr_tensors_only_during_the_step() -> None:
     assert isinstance(opt.param_groups[0]["lr"], float)
 
 
+@pytest.mark.parametrize("fused_weight_casts", [False, True])
 @pytest.mark.parametrize("graph_step", [False, True])
-def test_the_graph_safe_step_runs_autocast_without_its_weight_cache(monkeypatch, graph_step):
+def test_the_graph_safe_step_runs_autocast_without_its_weight_cache(
+    monkeypatch, graph_step, fused_weight_casts
+):
     """A capture would freeze the autocast cache's casts of the weights: the graph-safe
-    step turns the cache off; the usual step keeps torch's default (on), except on the first
-    step, where ``fused_weight_casts`` observes the weights' uses with the cache off."""
+    step turns the cache off; the usual step keeps torch's default (on), with
+    ``fused_weight_casts`` too, on its observing first step as on the others (so that the
+    first step of a resumed session casts as the uninterrupted run's step did)."""
     seen = []
 
     class Probe(Brain):
@@ -241,14 +245,19 @@ def test_the_graph_safe_step_runs_autocast_without_its_weight_cache(monkeypatch,
     brain = Probe(
         {"model": torch.nn.Linear(4, 2)},
         opt_class=lambda params: torch.optim.AdamW(params, 1e-3, fused=True),
-        run_opts={"device": "cpu", "precision": "bf16", "graph_step": graph_step},
+        run_opts={
+            "device": "cpu",
+            "precision": "bf16",
+            "graph_step": graph_step,
+            "fused_weight_casts": fused_weight_casts,
+        },
     )
     monkeypatch.setattr(brain, "step_graph_blocker", lambda: None)
     brain.on_fit_start()
-    for _ in range(2):
+    for _ in range(3):
         brain.train_step((torch.randn(3, 4),))
     brain.flush_pending()
-    assert seen == [False, not graph_step] and brain.optimizer_step == 2
+    assert seen == [not graph_step] * 3 and brain.optimizer_step == 3
 
 
 def test_end_cuts_draw_on_the_batchs_device_for_a_captured_step() -> None:

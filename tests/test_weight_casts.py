@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
 
-from amp_utils import Brain, Stage
+from amp_utils import Brain, Checkpointer, EpochCounter, Stage
 from amp_utils.module_precision import apply_low_precision_norms
 from amp_utils.weight_casts import WeightCasts
 from recipes.asr.model import ConformerCTC
@@ -58,16 +59,20 @@ def _names(model: nn.Module, params: list[nn.Parameter]) -> set[str]:
     return {name for name, p in model.named_parameters() if id(p) in ids}
 
 
-def _forward(model: nn.Module, casts: WeightCasts, x: torch.Tensor) -> torch.Tensor:
-    with torch.autocast("cpu", torch.bfloat16, cache_enabled=False), casts.during_forward():
+def _forward(
+    model: nn.Module, casts: WeightCasts, x: torch.Tensor, cache: bool = False
+) -> torch.Tensor:
+    with torch.autocast("cpu", torch.bfloat16, cache_enabled=cache), casts.during_forward():
         return model(x).float().square().mean()
 
 
-def test_only_weights_that_the_forward_pass_only_casts_are_cast_together():
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "weight-cache"])
+def test_only_weights_that_the_forward_pass_only_casts_are_cast_together(cache):
+    """With autocast's weight cache, ``twice``'s one cast serves two uses: left out too."""
     model = Mixed()
     casts = WeightCasts(model, torch.bfloat16)
     assert not casts.observed and casts.parameters == []
-    _forward(model, casts, torch.randn(2, 5, 8))
+    _forward(model, casts, torch.randn(2, 5, 8), cache)
     assert casts.observed
     assert _names(model, casts.parameters) == {
         "proj.weight",
@@ -78,16 +83,17 @@ def test_only_weights_that_the_forward_pass_only_casts_are_cast_together():
     }
 
 
-def test_casting_together_gives_autocasts_values_and_gradients_bit_for_bit():
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "weight-cache"])
+def test_casting_together_gives_autocasts_values_and_gradients_bit_for_bit(cache):
     x = torch.randn(2, 5, 8)
     plain, fused = Mixed(), Mixed()
-    with torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+    with torch.autocast("cpu", torch.bfloat16, cache_enabled=cache):
         expected = plain(x).float().square().mean()
     expected.backward()
     casts = WeightCasts(fused, torch.bfloat16)
     for _ in range(2):  # the first pass observes, the second casts together
         fused.zero_grad(set_to_none=True)
-        loss = _forward(fused, casts, x)
+        loss = _forward(fused, casts, x, cache)
         loss.backward()
     assert torch.equal(loss, expected)
     for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
@@ -291,9 +297,10 @@ def test_evaluation_casts_together_too_with_the_same_losses():
     assert all(isinstance(p, nn.Parameter) for p in model.parameters())
 
 
-def test_the_brain_observes_with_autocasts_weight_cache_off():
-    """With the cache, a weight used twice is cast once and would look like a linear's;
-    a captured step (no cache) then casts it twice and sums its gradients in fp32."""
+def test_the_brains_usual_step_observes_with_the_weight_cache_and_leaves_a_shared_weight():
+    """The usual step runs with autocast's weight cache, its observing first step too: a
+    weight used twice is cast once there, and is still left to autocast (a captured step,
+    without the cache, casts it twice and sums its gradients in fp32)."""
 
     class MixedBrain(Brain):
         def compute_forward(self, batch, stage):
@@ -309,7 +316,10 @@ def test_the_brain_observes_with_autocasts_weight_cache_off():
         run_opts={"device": "cpu", "noprogressbar": True, "precision": "bf16"},
     )
     brain.on_fit_start()
+    caches = []
+    model.register_forward_pre_hook(lambda *_: caches.append(torch.is_autocast_cache_enabled()))
     brain.train_step(torch.randn(2, 5, 8))
+    assert caches == [True]
     assert _names(model, brain._weight_casts.parameters) == {
         "proj.weight",
         "proj.bias",
@@ -317,6 +327,92 @@ def test_the_brain_observes_with_autocasts_weight_cache_off():
         "conv.bias",
         "penalised.bias",
     }
+
+
+class OptionalHead(nn.Module):
+    """``twice`` is applied twice (left to autocast); ``aux`` serves only batches whose
+    first feature is positive (an optional head, a dropped layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.twice = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 1)
+        self.aux = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.twice(torch.tanh(self.twice(torch.tanh(self.inp(x)))))
+        out = self.out(h)
+        return out + self.aux(h) if bool(x[0, 0] > 0) else out
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _fit_optional_head(folder, fused: bool, stop_before: int | None = None) -> nn.Module:
+    """One epoch of 8 batches (the head serves batches 2, 5 and 8), a checkpoint after every
+    batch; ``stop_before``: the run dies before that batch."""
+
+    class HeadBrain(Brain):
+        def compute_forward(self, batch, stage):
+            return self.modules.model(batch[0])
+
+        def compute_objectives(self, predictions, batch, stage):
+            return nn.functional.mse_loss(predictions.float(), batch[1])
+
+        def on_fit_batch_start(self, batch, should_step):
+            if self.step == stop_before:
+                raise Interrupted
+
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    x[:, 0] = -x[:, 0].abs()
+    x[4::12, 0] = 1.0
+    brain = HeadBrain(
+        {"model": OptionalHead()},
+        opt_class=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        run_opts={
+            "device": "cpu",
+            "noprogressbar": True,
+            "precision": "bf16",
+            "fused_weight_casts": fused,
+            "ckpt_interval_steps": 1,
+        },
+        checkpointer=Checkpointer(folder),
+    )
+    brain.fit(EpochCounter(1), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
+    return brain.modules.model
+
+
+def test_a_weight_that_a_batch_does_not_use_gets_no_gradient_as_under_autocast(tmp_path):
+    """The head's slice of the flat cast's gradient is zeros: AdamW would move the head
+    (its moments, weight decay) on batches that never used it."""
+    model = OptionalHead()
+    casts = WeightCasts(model, torch.bfloat16)
+    with_head, without = torch.ones(2, 8), -torch.ones(2, 8)
+    _forward(model, casts, with_head)  # observes: the head's weights are only cast
+    assert {"aux.weight", "aux.bias"} <= _names(model, casts.parameters)
+    _forward(model, casts, without).backward()
+    casts.settle_gradients()
+    assert model.aux.weight.grad is None and model.aux.bias.grad is None
+    assert model.out.weight.grad is not None
+    plain = _fit_optional_head(tmp_path / "plain", fused=False).state_dict()
+    fused = _fit_optional_head(tmp_path / "fused", fused=True).state_dict()
+    for name, value in plain.items():
+        assert torch.equal(fused[name], value), name
+
+
+def test_a_resumed_run_trains_as_the_uninterrupted_one(tmp_path):
+    """Every step runs with autocast's cache off, not only the observing first step of a
+    session: ``twice``'s two casts would otherwise differ on the first step after a resume;
+    and the session that resumes observes on a batch without the head."""
+    expected = _fit_optional_head(tmp_path / "whole", fused=True).state_dict()
+    with pytest.raises(Interrupted):
+        _fit_optional_head(tmp_path / "run", fused=True, stop_before=4)
+    resumed = _fit_optional_head(tmp_path / "run", fused=True).state_dict()
+    for name, value in expected.items():
+        assert torch.equal(resumed[name], value), name
 
 
 def test_a_weight_stored_transposed_keeps_autocasts_cast_and_its_strides():
