@@ -158,11 +158,16 @@ class AMPOptimizerStep:
         _zero_grad(optimizers)
         return StepInfo(grad_norm.detach(), skip)
 
+    def clear_window(self) -> None:
+        """Forget the losses of an unfinished accumulation window whose gradients are
+        dropped (an epoch's last batches): its non-finite loss must not skip a later step."""
+        self._window_finite = None
+
     def reset(self) -> None:
         """Forget a step that was started but not finished (a CUDA-graph capture that
         failed part-way): the loss window and the scaler's per-optimizer stage, so that
         the next step unscales and steps afresh. The loss scale itself is kept."""
-        self._window_finite = None
+        self.clear_window()
         if self.scaler.is_enabled():
             from collections import defaultdict
 

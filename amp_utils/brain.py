@@ -63,7 +63,13 @@ from amp_utils.interruption import (
     TrainingInterrupted,
     interrupted_error,
 )
-from amp_utils.loaders import make_loader, seeded_generator, start_epoch, timed_batches
+from amp_utils.loaders import (
+    make_loader,
+    replays_its_order,
+    seeded_generator,
+    start_epoch,
+    timed_batches,
+)
 from amp_utils.memory import peak_memory_mb, reset_peak_memory
 from amp_utils.precision import (
     AUTO,
@@ -726,6 +732,15 @@ class Brain:
             if loader is not None and loader.generator is None:
                 # Keep iterator start-up off the global RNG, so resumes replay exactly.
                 loader.generator = seeded_generator(self.run_opts.seed)
+        if self.checkpointer is not None and not replays_its_order(train_set):
+            logger.warning(
+                "The training DataLoader shuffles with torch's RandomSampler, whose order a "
+                "resumed run cannot draw again: after a resume some examples would be "
+                "trained twice and others not at all. Pass the dataset itself with "
+                "train_loader_kwargs={'shuffle': True} (Brain.make_dataloader shuffles each "
+                "epoch from seed + epoch), or a sampler with set_epoch(epoch), such as "
+                "amp_utils.loaders.ReproducibleRandomSampler."
+            )
         self._epoch_counter = epoch_counter
         if (
             self.checkpointer is not None
@@ -766,7 +781,8 @@ class Brain:
         self._stage, self._stage_epoch = Stage.TRAIN, epoch  # for the stall warning
         self.on_stage_start(Stage.TRAIN, epoch)
         self.modules.train()
-        self.zero_grad()
+        self.zero_grad()  # the last epoch's unfinished accumulation window is dropped ...
+        self.amp_step.clear_window()  # ... with its losses' finite flag
         skip = self._resume_step
         self.step = skip
         self._restore_pending_grads()
@@ -1006,6 +1022,7 @@ class Brain:
             "world_size": self.distributed.world_size,
             "optimizer_step": self.optimizer_step,
             "skipped_steps": self.skipped_steps,
+            "nonfinite_count": self.nonfinite_count,  # a streak of non-finite losses so far
             "avg_train_loss": self.avg_train_loss,
             "avg_train_loss_count": self.ledger.train_loss.count,
             "precision": self.amp.name,
@@ -1047,6 +1064,7 @@ class Brain:
         self._resume_grads = self._saved_pending_grads(state, saved_world_size)
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.nonfinite_count = int(state.get("nonfinite_count", 0))
         self.ledger.train_loss = RunningMean(
             float(state["avg_train_loss"]), int(state.get("avg_train_loss_count", 0))
         )

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from amp_utils.distributed import DistributedInfo
 
@@ -26,6 +26,34 @@ def seeded_generator(seed: int) -> torch.Generator:
     would see a different random stream than an uninterrupted one.
     """
     return torch.Generator().manual_seed(seed)
+
+
+class ReproducibleRandomSampler(RandomSampler):
+    """A random order drawn afresh from ``seed + epoch`` (SpeechBrain's sampler of this name).
+
+    torch's ``RandomSampler`` draws each epoch's order from a generator that moves on from
+    epoch to epoch, which a checkpoint does not hold: a resumed process would shuffle
+    differently, and a mid-epoch resume would train some examples twice and others not at
+    all. The loop calls ``set_epoch`` at every epoch start (:func:`start_epoch`).
+    """
+
+    def __init__(self, data_source: Any, seed: int = 563375142, epoch: int = 0, **kwargs: Any):
+        if "generator" in kwargs:
+            raise ValueError(
+                "ReproducibleRandomSampler draws from its own generator (seed + epoch); "
+                "pass seed=..., not generator=..."
+            )
+        super().__init__(data_source, **kwargs)
+        self.seed, self.epoch = int(seed), epoch
+        self.generator = torch.Generator()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle for ``epoch`` next."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        self.generator.manual_seed(self.seed + self.epoch)
+        return super().__iter__()
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -97,7 +125,9 @@ def make_loader(
     """A DataLoader with its own seeded generator; with ``shard`` under DDP, a rank's shard.
 
     A sharded loader without its own sampler gets a ``DistributedSampler`` (each rank a
-    disjoint, equally long shard, reshuffled per epoch when ``shuffle=True``).
+    disjoint, equally long shard, reshuffled per epoch when ``shuffle=True``); an unsharded
+    one with ``shuffle=True`` a :class:`ReproducibleRandomSampler` (as in SpeechBrain), so
+    that a resumed run sees every epoch in the same order.
     """
     loader_kwargs.setdefault("generator", seeded_generator(seed))
     loader_kwargs["worker_init_fn"] = tied_worker_init(loader_kwargs.get("worker_init_fn"))
@@ -111,7 +141,20 @@ def make_loader(
             seed=seed,
             drop_last=True,
         )
+    elif loader_kwargs.get("shuffle") and not has_sampler:
+        del loader_kwargs["shuffle"]
+        loader_kwargs["sampler"] = ReproducibleRandomSampler(dataset, seed=seed)
     return DataLoader(dataset, **loader_kwargs)
+
+
+def replays_its_order(loader: DataLoader) -> bool:
+    """False for a loader that shuffles with torch's ``RandomSampler`` (whose order a
+    resumed run cannot draw again, see :class:`ReproducibleRandomSampler`)."""
+    sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    return not any(
+        type(candidate) is RandomSampler  # noqa: E721 (subclasses may replay theirs)
+        for candidate in (sampler, getattr(sampler, "sampler", None))
+    )
 
 
 class EpochBatches(NamedTuple):

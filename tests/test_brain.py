@@ -363,15 +363,6 @@ class ShuffledRegression(RegressionBrain):
             self.checkpointer.save_and_keep_only(meta={"loss": stage_loss}, min_keys=["loss"])
 
 
-def shuffled_loader(brain_seed: int = 3) -> DataLoader:
-    return DataLoader(
-        make_data(48),
-        batch_size=4,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(brain_seed),
-    )
-
-
 class StopAfter(Exception):
     pass
 
@@ -392,10 +383,8 @@ def train_shuffled(ckpt_dir, epochs=3, stop_at=None, **opts):
         run_opts=run_opts(ckpt_interval_steps=1, **opts),
         checkpointer=Checkpointer(ckpt_dir),
     )
-    # The loader is rebuilt per process, as after a restart; its sampler is seeded per epoch.
-    loader = shuffled_loader()
-    loader.sampler.generator = None
 
+    # The loader is rebuilt per process, as after a restart; its sampler is seeded per epoch.
     class EpochSeeded(torch.utils.data.Sampler):
         def __init__(self, n):
             self.n, self.epoch = n, 0
@@ -765,6 +754,95 @@ def test_window_gradients_saved_by_another_number_of_processes_are_refused(saved
     brain.distributed = DistributedInfo(world_size=3 - saved_by, backend="gloo")
     with pytest.raises(CheckpointError, match=f"saved by {saved_by} process"):
         brain.load_state_dict(state)
+
+
+def test_a_nan_in_an_epochs_unfinished_window_does_not_skip_the_next_epochs_first_step(
+    tmp_path,
+):
+    """Batches 11-12 of 12 (accumulation over 5) are dropped with their gradients at the
+    next epoch's start; a NaN loss among them must go with them, in an uninterrupted run
+    and in one resumed from the epoch-end checkpoint (which holds no window)."""
+    reference = preempted_mid_accumulation(tmp_path / "ref", "fp32", accumulation=5, nan_at=(1, 11))
+    assert (reference.optimizer_step, reference.skipped_steps) == (4, 0)
+    preempted_mid_accumulation(tmp_path / "run", "fp32", epochs=1, accumulation=5, nan_at=(1, 11))
+    resumed = preempted_mid_accumulation(tmp_path / "run", "fp32", accumulation=5)
+    assert (resumed.optimizer_step, resumed.skipped_steps) == (4, 0)
+    for p, q in zip(params_of(reference), params_of(resumed), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_run_resumed_in_a_streak_of_nonfinite_losses_stops_where_it_would_have(tmp_path):
+    """Patience 2, NaN losses on batches 3-5; killed before batch 4 (a checkpoint after
+    every batch): the resumed run counts batch 3's NaN and stops at batch 5 too."""
+
+    class Killed(Exception):
+        pass
+
+    def run(folder, kill_before=None):
+        class Brain(InjectedLossBrain):
+            def on_fit_batch_start(self, batch, should_step):
+                if self.step == kill_before:
+                    raise Killed
+
+        brain = Brain(
+            {"model": make_model()},
+            sgd(),
+            hparams={"bad_steps": {3, 4, 5}, "factor": float("nan")},
+            run_opts=run_opts(nonfinite_patience=2, ckpt_interval_steps=1),
+            checkpointer=Checkpointer(folder),
+        )
+        brain.fit(EpochCounter(1), DataLoader(make_data(48), batch_size=4))
+
+    with pytest.raises(NonFiniteLossError, match="3 consecutive"):
+        run(tmp_path / "whole")
+    with pytest.raises(Killed):
+        run(tmp_path / "run", kill_before=4)
+    with pytest.raises(NonFiniteLossError, match="3 consecutive"):
+        run(tmp_path / "run")
+
+
+def test_a_dataset_shuffled_by_the_brain_resumes_in_the_same_order(tmp_path, caplog):
+    """``fit(dataset, train_loader_kwargs={"shuffle": True})``: each epoch's order comes
+    from seed + epoch (torch's RandomSampler moves its generator on from epoch to epoch,
+    and a resumed process would draw another order). A DataLoader that shuffles with
+    torch's RandomSampler is warned about."""
+
+    def run(folder, kill_at=None, seen=None):
+        class Brain(ShuffledRegression):
+            def on_fit_batch_start(self, batch, should_step):
+                if (self._epoch_counter.current, self.step) == kill_at:
+                    raise StopAfter
+                seen.append((self._epoch_counter.current, batch[0][:, 0].tolist()))
+
+        torch.manual_seed(123)
+        brain = Brain(
+            {"model": make_model()},
+            sgd(),
+            run_opts=run_opts(ckpt_interval_steps=1),
+            checkpointer=Checkpointer(folder),
+        )
+        train = {"batch_size": 4, "shuffle": True}
+        brain.fit(EpochCounter(2), make_data(16), train_loader_kwargs=train)
+        return brain
+
+    expected, first, second = [], [], []
+    reference = run(tmp_path / "whole", seen=expected)
+    assert expected[0][1] != expected[4][1]  # another order in epoch 2
+    with pytest.raises(StopAfter):
+        run(tmp_path / "run", kill_at=(2, 2), seen=first)
+    resumed = run(tmp_path / "run", seen=second)
+    assert len(first) == 5 and first + second == expected  # each batch once, in order
+    for p, q in zip(params_of(reference), params_of(resumed), strict=True):
+        assert torch.equal(p, q)
+    assert "RandomSampler" not in caplog.text
+    brain = ShuffledRegression(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(),
+        checkpointer=Checkpointer(tmp_path / "plain"),
+    )
+    brain.fit(EpochCounter(1), DataLoader(make_data(8), batch_size=4, shuffle=True))
+    assert "shuffles with torch's RandomSampler" in caplog.text
 
 
 def test_a_checkpoint_at_an_accumulation_boundary_holds_no_gradients(tmp_path):
