@@ -231,6 +231,8 @@ class Brain:
         self.graph_safe_step = False
         self._warned_data_wait = False
         self._step_graphs: StepGraphs | None = None
+        # Why a capture failed in this run (any session): later sessions train eagerly too.
+        self._step_graphs_failed: str | None = None
         self._weight_casts: WeightCasts | None = None  # fused_weight_casts, once set up
         self._eval_casts: WeightCasts | None = None  # the same for evaluation
         self._capturable: CapturableOptimizers | None = None
@@ -557,6 +559,14 @@ class Brain:
         if blocker is not None:
             logger.warning("trainer.graph_step: %s; the step runs as usual.", blocker)
             return
+        if self._step_graphs_failed is not None:
+            logger.warning(
+                "trainer.graph_step: an earlier session of this run could not capture the "
+                "training step (%s); this one trains without whole-step graphs too, as the "
+                "uninterrupted run does.",
+                self._step_graphs_failed,
+            )
+            return
         self._capturable = CapturableOptimizers(list(self.optimizers_dict.values()), self.device)
         self._step_graphs = StepGraphs(
             self._graph_safe_step,
@@ -615,7 +625,7 @@ class Brain:
                 "(%s); training goes on without whole-step graphs.",
                 err,
             )
-            self._step_graphs = None
+            self._step_graphs, self._step_graphs_failed = None, str(err)
             self.amp_step.reset()
             self.zero_grad(set_to_none=True)
             return None
@@ -1023,6 +1033,7 @@ class Brain:
             "optimizer_step": self.optimizer_step,
             "skipped_steps": self.skipped_steps,
             "nonfinite_count": self.nonfinite_count,  # a streak of non-finite losses so far
+            "step_graphs_failed": self._step_graphs_failed,  # then a resume trains eagerly
             "avg_train_loss": self.avg_train_loss,
             "avg_train_loss_count": self.ledger.train_loss.count,
             "precision": self.amp.name,
@@ -1065,6 +1076,7 @@ class Brain:
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.nonfinite_count = int(state.get("nonfinite_count", 0))
+        self._step_graphs_failed = state.get("step_graphs_failed")
         self.ledger.train_loss = RunningMean(
             float(state["avg_train_loss"]), int(state.get("avg_train_loss_count", 0))
         )

@@ -534,6 +534,33 @@ def test_a_failed_capture_logs_why_and_trains_the_batch_as_usual(
     assert brain.optimizer_step + brain.skipped_steps == 3
 
 
+def test_a_run_resumed_after_a_failed_capture_trains_eagerly_as_the_uninterrupted_run(
+    fsdd_root, prepared, tmp_path, monkeypatch, caplog
+):
+    """The capture fails at step 2 of each session (after one graph-safe step); SIGTERM at
+    step 3, then the same call again. The uninterrupted run trains eagerly from step 2 on;
+    the resumed session must not take graph-safe steps (other draws, another CTC) again."""
+    monkeypatch.setattr(AudioBrain, "step_graph_blocker", lambda self: None)
+    original = StepGraphs.__call__
+
+    def fails_on_the_second_call(self, batch):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            raise CaptureFailed("RuntimeError: operation not permitted when stream is capturing")
+        return original(self, batch)
+
+    monkeypatch.setattr(StepGraphs, "__call__", fails_on_the_second_call)
+    with caplog.at_level(logging.WARNING):
+        resumed, uninterrupted, interrupted = _interrupted_and_uninterrupted(
+            fsdd_root, prepared, tmp_path, monkeypatch, 3, "trainer.debug_batches=4"
+        )
+    assert interrupted == [3] and resumed["sessions"] == 2
+    assert "an earlier session of this run could not capture" in caplog.text
+    assert resumed["optimizer_steps"] == uninterrupted["optimizer_steps"] == 8
+    assert resumed["test_metrics"] == uninterrupted["test_metrics"]  # exactly
+    assert resumed["valid_metrics"] == uninterrupted["valid_metrics"]
+
+
 def test_graph_step_on_a_cpu_logs_why_and_trains_as_usual(fsdd_root, prepared, tmp_path, caplog):
     brain, _ = _brain(fsdd_root, prepared, tmp_path)
     with caplog.at_level(logging.WARNING):
