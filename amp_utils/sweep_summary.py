@@ -402,10 +402,21 @@ class SweepSummaryCallback(Callback):
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Write ``summary.md``/``summary.csv`` into ``hydra.sweep.dir`` and print the table."""
+        """Write ``summary.md``/``summary.csv`` into ``hydra.sweep.dir`` and print the table.
+
+        Raises:
+            SystemExit: (status 1, after the table) when a job failed, naming those jobs.
+        """
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             log.warning("Sweep directory %s does not exist; no summary written", sweep_dir)
             return
         rows = summarize_sweep(sweep_dir)
         print(f"Sweep summary ({sweep_dir / 'summary.md'}):\n{format_markdown(rows)}")
+        failed = [row["run"] for row in rows if row.get("status") == "failed"]
+        if failed:
+            raise SystemExit(
+                f"error: {len(failed)} of {len(rows)} sweep jobs failed ({', '.join(failed)}): "
+                f"each one's train.log in {sweep_dir} says why; the others' results are in "
+                "summary.md."
+            )

@@ -15,7 +15,8 @@ rewrite a finished run's record or leave a stray folder behind. So, for a single
   before that removes the folders it created, if they are still empty.
 
 Sweeps (``-m``) keep Hydra's own behaviour: each job writes into a new folder, and a
-refused job's folder records why (the sweep summary lists it as failed).
+refused or failed job's folder records why (the sweep summary lists it as failed); the
+sweep goes on with its other jobs (``recipes/train.py``).
 """
 
 from __future__ import annotations
@@ -214,6 +215,19 @@ class RunFolder:
             except OSError:
                 return
             path = path.parent
+
+
+def in_single_process_sweep() -> bool:
+    """Whether this process runs one job of a ``-m`` sweep, outside DDP: a job that fails
+    then ends alone and the sweep goes on (under DDP every rank would have to agree)."""
+    import os
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or not HydraConfig.initialized():
+        return False
+    return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def log_to_files(level: int, message: str) -> None:

@@ -629,6 +629,39 @@ def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings
     assert "not a training run folder" in result.stderr
 
 
+def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
+    fsdd_root, prepared_digits, tmp_path
+):
+    """One job refused (trainer.epochs=0), two that crash (4 heads do not divide d_model),
+    one that trains: the sweep runs all four, writes the table with the failures in it,
+    and exits with status 1 naming them; each failed job's train.log says why."""
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        [
+            "-m",
+            "model.num_heads=5,4",
+            "trainer.epochs=0,2",
+            *FAST,
+            "trainer.debug_epochs=1",
+            f"data.prepared_dir={prepared_digits}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        fsdd_root,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    rows = {r["run"]: r["status"] for r in read_csv(sweep / "summary.csv")}
+    # jobs: 0 (5 heads, 0 epochs), 1 (5, 2), 2 (4, 0), 3 (4, 2); names carry the heads
+    names = ["0_model.num_heads=5", "1_model.num_heads=5", "2_model.num_heads=4"]
+    trained = "3_model.num_heads=4"
+    assert rows == {**dict.fromkeys(names, "failed"), trained: "ok"}
+    assert (sweep / trained / "results.json").is_file()
+    assert "3 of 4 sweep jobs failed" in result.stderr
+    logs = [(sweep / name / "train.log").read_text() for name in names]
+    assert "trainer.epochs" in logs[0] and "trainer.epochs" in logs[2]
+    assert "not divisible by num_heads" in logs[1] and "Traceback" in logs[1]
+
+
 def hparams_experiment(log_dir: Path):
     """The HParams experiment proto written directly into ``log_dir``."""
     from tensorboard.plugins.hparams import metadata, plugin_data_pb2

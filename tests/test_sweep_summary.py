@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from amp_utils.sweep_summary import SweepSummaryCallback, _signed, summarize_sweep
@@ -151,7 +152,8 @@ def test_empty_sweep_writes_placeholder(tmp_path: Path) -> None:
 def test_callback_writes_summary_and_prints_table(tmp_path: Path, capsys) -> None:
     _fake_sweep(tmp_path)
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
-    SweepSummaryCallback().on_multirun_end(config=config)
+    with pytest.raises(SystemExit, match=r"1 of 5 sweep jobs failed \(3\)"):  # run 3 failed
+        SweepSummaryCallback().on_multirun_end(config=config)
     assert (tmp_path / "summary.md").is_file() and (tmp_path / "summary.csv").is_file()
     printed = capsys.readouterr().out
     assert "| 1 | ok | fp16 |" in printed and "1.80x" in printed
