@@ -292,7 +292,7 @@ class Config:
     data: Any = MISSING
     trainer: TrainerConfig = MISSING
     seed: int = MISSING  # seeds python/torch RNGs and the data order
-    output_dir: str = MISSING  # the run folder
+    output_dir: Optional[str] = MISSING  # noqa: UP045 the run folder (null under --cfg: no run)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from recipes.schema import (
     Precision,
     register_schemas,
 )
-from tests.recipe_helpers import FAST, compose_config
+from tests.recipe_helpers import FAST, compose_config, run_cli
 
 #: group -> every YAML option of it (conf/<group>/*.yaml).
 GROUP_OPTIONS = {
@@ -83,6 +83,15 @@ def test_an_override_of_an_unknown_key_is_refused_with_the_close_match(args, mes
 )
 def test_known_keys_group_choices_and_what_hydra_checks_pass_the_key_check(args):
     check_override_keys(args, Config)
+
+
+@pytest.mark.parametrize("script", ["train.py", "diagnose.py", "benchmark.py"])
+def test_printing_the_resolved_config_runs_nothing_and_works(script, fsdd_root, tmp_path):
+    """The README's ``--cfg job --resolve``: the run folder is null then (no run), which
+    the schema must accept (it failed with an InterpolationValidationError)."""
+    result = run_cli(script, ["model=xvector", "--cfg", "job", "--resolve"], fsdd_root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "output_dir: null" in result.stdout and "name: xvector" in result.stdout
 
 
 def test_the_benchmark_and_diagnose_keys_are_known_to_their_entry_points():
