@@ -37,6 +37,7 @@ from recipes.task import LEGACY_BEAM_SIZE, LEGACY_DECODER
 from recipes.tasks import task_for
 
 SPLITS = ("test", "valid")
+_ABSENT = object()  # OmegaConf.select's default for a key the config does not have
 
 
 def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
@@ -55,8 +56,17 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"{item!r} is not a key=value override (e.g. model.decoder=lexicon).")
-        if OmegaConf.select(cfg, key, default=None) is None:
+        current = OmegaConf.select(cfg, key, default=_ABSENT)
+        if current is _ABSENT:
             raise ValueError(f"{key} is not a key of this run's config (see {resolved}).")
+        if OmegaConf.is_config(current) and key == "device" and "name" in current:
+            key, item = "device.name", f"device.name={value}"  # device=cpu, as train.py's
+        elif OmegaConf.is_config(current):
+            hint = " (evaluation runs in precision.eval_precision)" if key == "precision" else ""
+            raise ValueError(
+                f"{key} is a group of settings in this run's config, not one value: set one "
+                f"of its keys instead{hint}: {', '.join(f'{key}.{k}' for k in current)}."
+            )
         OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.from_dotlist([item]), key))
     return cfg
 
@@ -116,9 +126,12 @@ def _is_override(item: str) -> bool:
     return bool(sep) and "/" not in key
 
 
-def mean_metrics(results: list[dict]) -> dict[str, float]:
-    """The mean of each metric over several runs (e.g. a leave-one-speaker-out sweep)."""
+def mean_metrics(results: list[dict]) -> dict[str, float] | None:
+    """The mean of each metric over several runs (e.g. a leave-one-speaker-out sweep);
+    None when the runs have different metrics (runs of different tasks)."""
     keys = results[0]["metrics"].keys()
+    if any(r["metrics"].keys() != keys for r in results):
+        return None
     return {key: sum(r["metrics"][key] for r in results) / len(results) for key in keys}
 
 
@@ -167,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     saved: dict[str, Any] = results[0]
     if len(results) > 1:
         mean = mean_metrics(results)
-        print(f"mean of {len(results)} runs, {args.split}: {format_metrics(mean)}")
+        if mean is None:
+            print(f"no mean of the {len(results)} runs: they have different metrics (tasks)")
+        else:
+            print(f"mean of {len(results)} runs, {args.split}: {format_metrics(mean)}")
         saved = {"runs": results, "mean_metrics": mean}
     errors = [result.pop("errors") for result in results]
     if args.json is not None:

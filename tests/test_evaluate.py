@@ -50,6 +50,29 @@ def test_a_single_path_stays_a_run_even_when_it_is_not_one(tmp_path) -> None:
 def test_mean_metrics_average_each_metric() -> None:
     results = [{"metrics": {"CER": 10.0, "WER": 20.0}}, {"metrics": {"CER": 30.0, "WER": 50.0}}]
     assert mean_metrics(results) == {"CER": 20.0, "WER": 35.0}
+    speaker_id = {"metrics": {"accuracy": 90.0, "loss": 0.3}}  # a sweep over both tasks
+    assert mean_metrics([*results, speaker_id]) is None  # (a KeyError before)
+
+
+def test_overrides_of_groups_null_keys_and_the_device_shorthand(tmp_path) -> None:
+    """``device=cpu`` (what the device errors advise) sets ``device.name``; another group
+    given one value is refused naming its keys (it crashed with an AttributeError); a key
+    whose value is null is still a key."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config_resolved.yaml").write_text(
+        "model: {name: conformer_ctc, task: asr, decoder: lexicon}\n"
+        "trainer: {average_from: last, compile_module_keys: null}\n"
+        "device: {name: cuda, num_workers: 2}\n"
+        "precision: {name: bf16, eval_precision: bf16}\n"
+    )
+    cfg = run_config(run, ["device=cpu", "trainer.compile_module_keys=[model]"])
+    assert cfg.device == {"name": "cpu", "num_workers": 2}
+    assert list(cfg.trainer.compile_module_keys) == ["model"]
+    with pytest.raises(ValueError, match=r"precision is a group .*eval_precision.*"):
+        run_config(run, ["precision=fp32"])
+    with pytest.raises(ValueError, match="model.decodr is not a key"):
+        run_config(run, ["model.decodr=greedy"])
 
 
 @pytest.mark.parametrize(
