@@ -9,6 +9,7 @@ Writes ``benchmark.json`` and ``benchmark.md`` into the run folder and prints th
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import hydra
@@ -17,12 +18,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.precision import resolve_device
-from recipes.benchmarking import compile_notes, run_benchmark, step_graph_notes, summarize
+from recipes.benchmarking import (
+    check_benchmark_config,
+    compile_notes,
+    run_benchmark,
+    step_graph_notes,
+    summarize,
+)
 from recipes.config import exit_on_unknown_override_keys, register_resolvers, validate_config
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain, device_name, seed_everything
 from recipes.modules import build_modules
-from recipes.preflight import run_options
+from recipes.preflight import USER_ERRORS, run_options
 from recipes.schema import BenchmarkRunConfig, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -34,6 +41,7 @@ register_schemas()
 def benchmark(cfg: DictConfig) -> list[dict]:
     """Run the benchmark described by ``cfg``; returns one row per (precision, mode)."""
     validate_config(cfg)
+    check_benchmark_config(cfg)
     device = resolve_device(run_options(cfg).device)
     data = build_data(cfg, device)
 
@@ -47,7 +55,8 @@ def benchmark(cfg: DictConfig) -> list[dict]:
     out = Path(cfg.output_dir)
 
     def save(rows: list[dict]) -> str:
-        """Write benchmark.md/json for the rows measured so far; returns the table."""
+        """Write benchmark.md/json for the rows measured so far; returns the table with its
+        notes (skipped rows and why, graph and compile notes), as benchmark.md has them."""
         timed = [r for r in rows if "skipped" not in r]
         table = summarize(timed)
         notes = sorted({f"{r['mode']}: {n}" for r in timed for n in r.get("notes", [])})
@@ -66,7 +75,7 @@ def benchmark(cfg: DictConfig) -> list[dict]:
                 "rows": rows,
             },
         )
-        return table
+        return table + "\n" + footer
 
     t = cfg.trainer
     header = (
@@ -87,7 +96,11 @@ def benchmark(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="benchmark")
 def main(cfg: DictConfig) -> None:
-    benchmark(cfg)
+    """Hydra entry point: bad input ends with one line, no traceback."""
+    try:
+        benchmark(cfg)
+    except USER_ERRORS as err:
+        sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

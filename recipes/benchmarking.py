@@ -42,6 +42,7 @@ from amp_utils.autocast import PRECISIONS
 from amp_utils.precision import configure_tf32
 from data.dataset import AudioBatch
 from recipes.audio_brain import AudioBrain
+from recipes.config import ConfigError
 from recipes.peers import OptimizerSettings, run_peer
 from recipes.step_timing import time_steps
 
@@ -55,6 +56,25 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 PEER_MODES = ("speechbrain", "lightning")
 MODES = ("bare", "brain", "staged", "loader", *PEER_MODES)
+
+
+def check_benchmark_config(cfg: DictConfig) -> None:
+    """Refuse unknown modes and precisions before any work (data, models).
+
+    Raises:
+        ConfigError: naming the key, the bad values and the valid ones.
+    """
+    for key, valid in (
+        ("benchmark.modes", MODES),
+        ("benchmark.precisions", tuple(PRECISIONS)),
+        ("benchmark.peer_precisions", tuple(PRECISIONS)),
+    ):
+        unknown = [value for value in OmegaConf.select(cfg, key) or [] if value not in valid]
+        if unknown:
+            raise ConfigError(
+                f"{key} has {unknown}; valid: {', '.join(valid)} "
+                f"(e.g. {key}=[{','.join(valid[:2])}])."
+            )
 
 
 def synthetic_batch(cfg: DictConfig, device: torch.device, num_speakers: int) -> AudioBatch:
@@ -406,9 +426,7 @@ def run_benchmark(
     variants = [(p, False) for p in cfg.benchmark.precisions]
     if cfg.benchmark.tf32_baseline and "fp32" in cfg.benchmark.precisions:
         variants.insert(1, ("fp32", True))
-    unknown = sorted(set(cfg.benchmark.modes) - set(MODES))
-    if unknown:
-        raise ValueError(f"benchmark.modes has {unknown}; valid: {', '.join(MODES)}.")
+    check_benchmark_config(cfg)
     warmup, steps = cfg.benchmark.warmup_steps, cfg.benchmark.steps
     for precision, tf32 in variants:
         run_cfg = OmegaConf.merge(

@@ -279,3 +279,18 @@ def test_a_compiled_benchmark_row_says_that_compiled_code_ran(tmp_path, fsdd_roo
     [row] = json.loads((out / "benchmark.json").read_text())["rows"]
     assert row["compiled_calls_per_step"] > 0, row
     assert "brain fp32: compiled code ran" in (out / "benchmark.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("benchmark.modes=[bare,brian]", "benchmark.modes has ['brian']; valid: bare, brain"),
+        ("benchmark.precisions=[auto]", "benchmark.precisions has ['auto']; valid: fp32"),
+        ("trainer.epochs=0", "trainer.epochs=0 is not valid"),
+    ],
+)
+def test_bad_benchmark_values_fail_with_one_line_before_any_work(arg, message, fsdd_root, tmp_path):
+    """They ended in tracebacks (the modes only after the data had loaded)."""
+    result = run_cli("benchmark.py", [arg, f"hydra.run.dir={tmp_path / 'run'}"], fsdd_root)
+    assert result.returncode == 1 and f"error: {message}" in result.stderr
+    assert "Traceback" not in result.stderr and "Preparing" not in result.stdout + result.stderr
