@@ -174,8 +174,9 @@ def read_manifest(path: str | Path) -> list[Utterance]:
     path = Path(path).absolute()
     if not path.is_file():
         raise ManifestError(
-            f"Manifest not found: {path}. Fix: run data preparation first or set the "
-            "manifest path in the config (e.g. data.root=PATH)."
+            f"Manifest not found: {path}. Fix: give the path of an existing manifest "
+            "(with data=manifest: data.train=PATH, data.valid=PATH, data.test=PATH; relative "
+            "paths are read from the folder the command runs in)."
         )
     text = path.read_text(encoding="utf-8")
     if not text.strip():

@@ -15,10 +15,12 @@ import dataclasses
 import difflib
 import sys
 import typing
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +32,8 @@ from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
 from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
-from recipes.frontend import NORMALIZATIONS
+from recipes.frontend import NORMALIZATIONS, build_features
+from recipes.modules import MODULE_KEYS, build_model
 from recipes.schema import OPTION_SCHEMAS, schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
@@ -301,6 +304,61 @@ def _check_graph_step(cfg: DictConfig) -> None:
         )
 
 
+def _missing_values(node: DictConfig, prefix: str = "") -> list[str]:
+    """The keys under ``node`` left at ``???`` (no default), without resolving anything."""
+    missing = []
+    for key in node:
+        path = f"{prefix}{key}"
+        if OmegaConf.is_missing(node, key):
+            missing.append(path)
+        elif not OmegaConf.is_interpolation(node, key) and isinstance(node[key], DictConfig):
+            missing += _missing_values(node[key], f"{path}.")
+    return missing
+
+
+def _check_required(cfg: DictConfig) -> None:
+    missing = [key for key in _missing_values(cfg) if not key.startswith("hydra.")]
+    if not missing:
+        return
+    what = (
+        " (data=manifest: the manifest of each split, CSV or JSONL; see README, Your own data)"
+        if OmegaConf.select(cfg, "data.name") == "manifest"
+        else ""
+    )
+    raise ConfigError(
+        f"{', '.join(missing)} must be set{what}: e.g. "
+        + " ".join(f"{key}=PATH" if key.startswith("data.") else f"{key}=..." for key in missing)
+    )
+
+
+#: Speakers for the checks that build a model (the x-vector's classifier needs some).
+_PLACEHOLDER_SPEAKERS = ("speaker_a", "speaker_b")
+
+
+def _check_model_and_features(cfg: DictConfig) -> None:
+    """Build the features and the model once, the model on the meta device (no memory, no
+    compute): their constructors are the one check of their sizes (heads that divide
+    ``d_model``, a power-of-two subsampling, dropout in [0, 1), enough mel bands)."""
+    for key in ("data.features.n_mels", "data.features.n_fft", "data.features.win_length"):
+        _positive(cfg, key, integer=True)
+    _positive(cfg, "data.features.hop_length", integer=True)
+    _non_negative(cfg, "device.num_workers", "DataLoader worker processes; 0 loads in the loop")
+    keys = OmegaConf.select(cfg, "trainer.compile_module_keys")
+    unknown = [key for key in keys or [] if key not in MODULE_KEYS]
+    if unknown:
+        raise ConfigError(
+            f"trainer.compile_module_keys has {unknown}, which are not modules of the run; "
+            f"valid: {', '.join(MODULE_KEYS)} (e.g. trainer.compile_module_keys=[model])."
+        )
+    try:
+        build_features(cfg.data)
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. zero-element tensors of a size 0
+            build_model(cfg, _PLACEHOLDER_SPEAKERS)
+    except ValueError as err:
+        raise ConfigError(f"model={cfg.model.name}: {err}") from None
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Check what the schema's types cannot; raises ConfigError on the first bad value.
 
@@ -308,6 +366,7 @@ def validate_config(cfg: DictConfig) -> None:
         cfg: the composed, typed config (with or without its ``hydra`` node).
     """
     check_known_keys(cfg)
+    _check_required(cfg)
     try:
         parse_device_name(cfg.device.name)
     except ValueError as err:
@@ -378,6 +437,7 @@ def validate_config(cfg: DictConfig) -> None:
             "e.g. device.onednn_cache_capacity=4096; 0: no cache; null: oneDNN's own default",
         )
     _check_augmentation(cfg.data)
+    _check_model_and_features(cfg)
     smoothing = OmegaConf.select(cfg, "model.label_smoothing", default=0.0)
     if not 0.0 <= smoothing < 1.0:
         raise ConfigError(

@@ -14,6 +14,9 @@ from recipes.augment import build_augment, build_wave_augment
 from recipes.frontend import build_features
 from recipes.tasks import task_for
 
+#: The keys of the modules ``build_modules`` returns (``trainer.compile_module_keys``).
+MODULE_KEYS = ("features", "model", "wave_augment", "augment")
+
 
 def build_model(cfg: DictConfig, speakers: tuple[str, ...]) -> torch.nn.Module:
     """The configured task's model, sized for the features and the labels (speakers)."""

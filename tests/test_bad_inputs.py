@@ -102,6 +102,19 @@ def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
         ("trainer.compile_mode=fastest", "choose one of: default, reduce-overhead"),
         ("model.task=speaker", "does not fit model.name='conformer_ctc'"),
         ("trainer.distributed_backend=mpi", "choose one of: auto, nccl, gloo"),
+        # sizes the model's and the features' constructors check (tracebacks before)
+        ("model.num_heads=5", "model=conformer_ctc: d_model=144 is not divisible by num_heads"),
+        ("model.subsampling=3", "subsampling must be a power of two"),
+        ("model.dropout=1.5", "dropout probability has to be between 0 and 1"),
+        ("data.features.n_mels=0", "data.features.n_mels=0 is not valid"),
+        ("data.features.n_mels=1", "n_mels=1 is too small for subsampling"),
+        ("data.features.hop_length=0", "data.features.hop_length=0 is not valid"),
+        ("device.num_workers=-1", "device.num_workers=-1 is not valid; it must be >= 0"),
+        (
+            "trainer.compile_module_keys=[modle]",
+            "which are not modules of the run; valid: features",
+        ),
+        ("data=manifest", "data.train, data.valid, data.test must be set (data=manifest"),
     ],
 )
 def test_bad_values_fail_before_any_work(tmp_path, override, message):

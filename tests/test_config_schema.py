@@ -37,7 +37,9 @@ GROUP_OPTIONS = {
     [(group, option) for group, options in GROUP_OPTIONS.items() for option in options],
 )
 def test_every_option_composes_against_its_schema(group, option):
-    cfg = compose_config([f"{group}={option}", "output_dir=unused"])
+    # data=manifest has no default manifests: they are required (validate_config says so)
+    paths = ["data.train=a.csv", "data.valid=b.csv", "data.test=c.csv"] * (option == "manifest")
+    cfg = compose_config([f"{group}={option}", "output_dir=unused", *paths])
     validate_config(cfg)
     resolvable = {k: v for k, v in cfg.items() if k != "data" or v.name != "manifest"}
     OmegaConf.to_container(OmegaConf.create(resolvable), resolve=True)  # every value has a type
