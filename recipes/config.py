@@ -170,12 +170,27 @@ def _refuse_unknown(unknown: list[str], known: set[str], where: str) -> None:
     if not unknown:
         return
     key = unknown[0]
+    options = _options_with_key(where.rstrip("."), key)
+    if options:
+        group = where.rstrip(".")
+        raise ConfigError(
+            f"{where}{key} is a key of {' and '.join(f'{group}={o}' for o in options)}, not of "
+            f"this run's {group}: choose that option ({group}={options[0]} {where}{key}=...)."
+        )
     close = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f" Did you mean {where}{close[0]}?" if close else ""
     raise ConfigError(
         f"{where}{key} is not a config key: the recipe does not use it.{hint} Valid "
         f"{where.rstrip('.') or 'top-level'} keys: {', '.join(sorted(known))}."
     )
+
+
+def _options_with_key(group: str, key: str) -> list[str]:
+    """The options of config group ``group`` (``conf/<group>/*.yaml``) that set ``key``."""
+    folder = CONF_DIR / group
+    if not group or "." in group or not folder.is_dir():
+        return []
+    return [path.stem for path in sorted(folder.glob("*.yaml")) if key in OmegaConf.load(path)]
 
 
 def check_known_keys(node: DictConfig, where: str = "") -> None:

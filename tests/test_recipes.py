@@ -357,7 +357,14 @@ def test_in_process_rerun_of_a_finished_run_returns_its_results(
     ("overrides", "message"),
     [
         (["+trainer.epohcs=3"], r"trainer.epohcs is not a config key.*Did you mean trainer.epochs"),
-        (["model=xvector", "+model.d_model=64"], r"model.d_model is not a .*Valid model keys: ch"),
+        (["model=xvector", "+model.dropot=0.1"], r"model.dropot is not a .*Valid model keys: ch"),
+        # a key of another option names it (Hydra's "+model.d_model" advice led here)
+        (
+            ["model=xvector", "+model.d_model=64"],
+            r"model.d_model is a key of model=conformer_ctc and model=conformer_ctc_m, not of "
+            r"this run's model: choose that option \(model=conformer_ctc model.d_model=...\)",
+        ),
+        (["+data.num_train=9"], r"data.num_train is a key of data=fsdd_connected, not of"),
         (["+data.features.nmels=20"], r"data.features.nmels .*Did you mean data.features.n_mels"),
         (["+seeed=3"], r"seeed is not a config key.*Valid top-level keys: data, device, model"),
     ],
