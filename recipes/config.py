@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.compile import CUDAGRAPH_MODES
 from amp_utils.distributed import BACKENDS
+from amp_utils.module_precision import apply_fp32_modules
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name, resolve_device
 from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
@@ -366,12 +367,19 @@ def _check_model_and_features(cfg: DictConfig) -> None:
             f"valid: {', '.join(MODULE_KEYS)} (e.g. trainer.compile_module_keys=[model])."
         )
     try:
-        build_features(cfg.data)
+        modules = {"features": build_features(cfg.data)}
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. zero-element tensors of a size 0
-            build_model(cfg, _PLACEHOLDER_SPEAKERS)
+            modules["model"] = build_model(cfg, _PLACEHOLDER_SPEAKERS)
     except ValueError as err:
         raise ConfigError(f"model={cfg.model.name}: {err}") from None
+    for name, build in (("wave_augment", build_wave_augment), ("augment", build_augment)):
+        module = build(cfg.data)
+        if module is not None:
+            modules[name] = module
+    # precision.fp32_modules: a pattern that names no module is refused here, not after
+    # the data are prepared (UnknownModulePatternError, one line)
+    apply_fp32_modules(modules, list(OmegaConf.select(cfg, "precision.fp32_modules") or []))
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -429,6 +437,18 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.data.name == "fsdd_connected":
         for key in ("data.num_train", "data.num_valid", "data.num_test"):
             _positive(cfg, key, integer=True)
+        data = cfg.data
+        if not 1 <= data.min_digits <= data.max_digits:
+            raise ConfigError(
+                f"data.min_digits={data.min_digits} and data.max_digits={data.max_digits} are "
+                "not valid: they need 1 <= min <= max (e.g. data.min_digits=2 data.max_digits=7)."
+            )
+        if not 0 <= data.silence_min <= data.silence_max:
+            raise ConfigError(
+                f"data.silence_min={data.silence_min} and data.silence_max={data.silence_max} "
+                "are not valid: they need 0 <= min <= max seconds (e.g. data.silence_min=0.05 "
+                "data.silence_max=0.25)."
+            )
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
     _choice(cfg, "trainer.average_from", AVERAGE_FROM)

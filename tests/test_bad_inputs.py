@@ -115,10 +115,13 @@ def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
             "which are not modules of the run; valid: features",
         ),
         ("data=manifest", "data.train, data.valid, data.test must be set (data=manifest"),
+        # connected digits: the config's keys, not the generator's arguments
+        ("data=fsdd_connected data.silence_min=0.5", "data.silence_min=0.5 and data.silence_max"),
+        ("data=fsdd_connected data.min_digits=0", "data.min_digits=0 and data.max_digits=7 are"),
     ],
 )
 def test_bad_values_fail_before_any_work(tmp_path, override, message):
-    cfg = compose_config([*FAST, override, f"output_dir={tmp_path / 'run'}"])
+    cfg = compose_config([*FAST, *override.split(), f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         train(cfg)
 
@@ -289,3 +292,20 @@ def test_help_lists_every_option_with_its_description_keys_and_examples(fsdd_roo
         assert len(line.split()) > 1, line
     assert "precision of validation/test forward passes" in text  # the schema's help
     assert "Examples:" in text and "precision=bf16 device=cuda" in text
+
+
+def test_an_fp32_modules_pattern_that_names_nothing_is_refused_before_data_preparation(tmp_path):
+    """It was refused only once the manifests had been written."""
+    from amp_utils.module_precision import UnknownModulePatternError
+
+    cfg = compose_config(
+        [
+            *FAST,
+            "precision.fp32_modules=[model.nope]",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
+            f"output_dir={tmp_path / 'run'}",
+        ]
+    )
+    with pytest.raises(UnknownModulePatternError, match="'model.nope' matches no module"):
+        train(cfg)
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "run").exists()
