@@ -13,6 +13,7 @@ from amp_utils import AMPConfig, Checkpointer, TorchAutocast, resolve_device
 from amp_utils.precision import check_precision_supported
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
+from data.errors import AudioError
 from data.manifest import Utterance
 from recipes.audio_brain import LEGACY_AVERAGE_FROM, checkpoints_to_average
 from recipes.modules import build_modules
@@ -80,10 +81,25 @@ class TrainedModel:
             )
         dataset = AudioDataset(utts, self.cfg.data.sample_rate, None, speakers=self.speakers)
         batch = collate_audio([dataset[i] for i in range(len(dataset))]).to(self.device)
-        with TorchAutocast(device_type=self.device.type, dtype=self.amp.dtype):
-            feats, feat_lens = self.features(batch.wavs, batch.wav_lens)
-            outputs = self.model(feats, feat_lens)
-            return self.task.predict(outputs, self.labels)
+        try:
+            with TorchAutocast(device_type=self.device.type, dtype=self.amp.dtype):
+                feats, feat_lens = self.features(batch.wavs, batch.wav_lens)
+                outputs = self.model(feats, feat_lens)
+                return self.task.predict(outputs, self.labels)
+        except RuntimeError as err:
+            shortest = min(utts, key=lambda utt: utt.duration)
+            if shortest.duration >= MIN_CLIP_SECONDS:
+                raise
+            raise AudioError(
+                f"{shortest.path} holds {shortest.duration * 1000:.0f} ms of audio, too short "
+                f"for the model's frames ({str(err).splitlines()[0]}). Give clips of at least "
+                f"{MIN_CLIP_SECONDS} s."
+            ) from None
+
+
+#: Clips shorter than this may be too short for the models' windows and subsampling
+#: (at 8 kHz the default recipe needs about 25 ms): their failure is reported as such.
+MIN_CLIP_SECONDS = 0.25
 
 
 def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32") -> TrainedModel:

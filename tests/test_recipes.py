@@ -610,6 +610,17 @@ def test_transcribe_errors_give_its_own_flags(cli_run, fsdd_recordings):
     assert "--device cpu" in result.stderr and "device=cpu" not in result.stderr
 
 
+def test_transcribe_says_a_clip_is_too_short_in_one_line(cli_run, fsdd_recordings, tmp_path):
+    """16 ms of audio gives the subsampling fewer frames than its kernel (a traceback)."""
+    import soundfile
+
+    clip = tmp_path / "click.wav"
+    soundfile.write(clip, torch.zeros(129).numpy(), 8000)
+    result = run_cli("transcribe.py", [str(cli_run), str(clip)], fsdd_recordings)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"error: {clip} holds 16 ms of audio, too short" in result.stderr
+
+
 def test_transcribe_refuses_a_checkpoint_that_would_run_code(cli_run, fsdd_recordings, tmp_path):
     from tests.test_checkpoint import plant_code_running_checkpoint
 
