@@ -25,6 +25,7 @@ import copy
 import logging
 import logging.handlers
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,28 @@ class RunFolder:
             except OSError:
                 return
             path = path.parent
+
+
+def run_job(job: Callable[[], float]) -> float:
+    """Run a training job, reporting bad input (``USER_ERRORS``) in one line.
+
+    A single run exits with ``error: ...`` (status 1). A job of a ``-m`` sweep outside DDP
+    that fails, with bad input or a crash, ends alone: the error goes to its ``train.log``
+    (a crash with its traceback) and the job returns NaN (to Optuna: a failed trial); the
+    sweep goes on, and its summary lists the job as failed (``SweepSummaryCallback``).
+    """
+    try:
+        return job()
+    except USER_ERRORS as err:  # bad input: one line, no traceback, printed once
+        log_to_files(logging.ERROR, f"{type(err).__name__}: {err}")  # the run's train.log
+        if not in_single_process_sweep():
+            sys.exit(f"error: {err}")
+        print(f"error: {err}\n(this sweep job failed; the sweep goes on)", file=sys.stderr)
+    except Exception:
+        if not in_single_process_sweep():
+            raise
+        logger.exception("This sweep job failed; the sweep goes on.")
+    return float("nan")
 
 
 def in_single_process_sweep() -> bool:

@@ -12,8 +12,6 @@ Re-running the same command resumes from the run folder's latest checkpoint.
 
 from __future__ import annotations
 
-import logging
-import sys
 from pathlib import Path
 
 import hydra
@@ -21,8 +19,7 @@ from omegaconf import DictConfig
 
 from recipes.config import exit_on_unknown_override_keys, register_resolvers
 from recipes.experiment import sweep_objective, train
-from recipes.preflight import USER_ERRORS
-from recipes.run_folder import in_single_process_sweep, log_to_files
+from recipes.run_folder import run_job
 from recipes.schema import Config, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -39,18 +36,7 @@ def main(cfg: DictConfig) -> float | None:
     folder keeps the error, the sweep goes on with the other jobs, the summary lists it as
     failed and the sweep exits with status 1; a sweeper gets NaN (Optuna: a failed trial).
     """
-    try:
-        return sweep_objective(cfg, train(cfg))
-    except USER_ERRORS as err:  # bad input: one line, no traceback, printed once
-        log_to_files(logging.ERROR, f"{type(err).__name__}: {err}")  # the run's train.log
-        if not in_single_process_sweep():
-            sys.exit(f"error: {err}")
-        print(f"error: {err}\n(this sweep job failed; the sweep goes on)", file=sys.stderr)
-    except Exception:
-        if not in_single_process_sweep():
-            raise
-        logging.getLogger(__name__).exception("This sweep job failed; the sweep goes on.")
-    return float("nan")
+    return run_job(lambda: sweep_objective(cfg, train(cfg)))
 
 
 if __name__ == "__main__":

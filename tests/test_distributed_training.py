@@ -387,7 +387,8 @@ def test_nccl_ddp_with_one_process_per_gpu(data_args, tmp_path):
 def test_ranks_with_different_run_folders_stop_with_the_fix(tmp_path):
     """A clock in the folder name gives each rank its own folder: refused on every rank."""
     clocked = f"hydra.run.dir={tmp_path}/run_${{now:%H-%M-%S-%f}}"
-    result = run_train([*COMMON, clocked], nproc=2, ok=False)
+    unread = [f"data.{split}={tmp_path}/{split}.csv" for split in ("train", "valid", "test")]
+    result = run_train([*COMMON, *unread, clocked], nproc=2, ok=False)  # refused before reading
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert output.count("error: The DDP processes composed different run folders") == 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import logging
+import math
 import re
 import shutil
 import time
@@ -77,6 +79,8 @@ def tags(event_dir: Path) -> dict[str, set[str]]:
 def test_every_config_option_composes_and_validates():
     for values in itertools.product(*OPTIONS.values()):
         overrides = [f"{group}={value}" for group, value in zip(OPTIONS, values, strict=True)]
+        if "data=manifest" in overrides:  # its manifests are required values
+            overrides += ["data.train=a.csv", "data.valid=b.csv", "data.test=c.csv"]
         cfg = compose_config([*overrides, "output_dir=unused"])
         validate_config(cfg)
         assert cfg.precision.name == values[0]
@@ -650,9 +654,10 @@ def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings
 def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
     fsdd_root, prepared_digits, tmp_path
 ):
-    """One job refused (trainer.epochs=0), two that crash (4 heads do not divide d_model),
-    one that trains: the sweep runs all four, writes the table with the failures in it,
-    and exits with status 1 naming them; each failed job's train.log says why."""
+    """Three jobs refused (trainer.epochs=0; 5 heads do not divide d_model), one that
+    trains: the sweep runs all four, writes the table with the failures in it, and exits
+    with status 1 naming them; each failed job's train.log says why. (A job that crashes
+    goes the same way: test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback.)"""
     sweep = tmp_path / "sweep"
     result = run_cli(
         "train.py",
@@ -677,7 +682,39 @@ def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
     assert "3 of 4 sweep jobs failed" in result.stderr
     logs = [(sweep / name / "train.log").read_text() for name in names]
     assert "trainer.epochs" in logs[0] and "trainer.epochs" in logs[2]
-    assert "not divisible by num_heads" in logs[1] and "Traceback" in logs[1]
+    assert "not divisible by num_heads" in logs[1]
+
+
+def test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback(monkeypatch, caplog):
+    """In a sweep a crash (a bug, out of memory) ends its job alone, with the traceback in
+    the job's log; outside a sweep it propagates, bad input exits with one line, and a
+    signal's TrainingInterrupted ends the sweep too (it is resumed as a whole)."""
+    from amp_utils import TrainingInterrupted
+    from recipes import run_folder
+
+    def crash() -> float:
+        raise RuntimeError("CUDA out of memory")
+
+    def refused() -> float:
+        raise ConfigError("trainer.epochs=0 is not valid")
+
+    def interrupted() -> float:
+        raise TrainingInterrupted("Run the same command again to resume")
+
+    monkeypatch.setattr(run_folder, "in_single_process_sweep", lambda: True)
+    with caplog.at_level(logging.ERROR):
+        assert math.isnan(run_folder.run_job(crash))
+    assert (
+        "This sweep job failed" in caplog.text and "RuntimeError: CUDA out of memory" in caplog.text
+    )
+    assert math.isnan(run_folder.run_job(refused))
+    with pytest.raises(TrainingInterrupted):
+        run_folder.run_job(interrupted)
+    monkeypatch.setattr(run_folder, "in_single_process_sweep", lambda: False)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_folder.run_job(crash)
+    with pytest.raises(SystemExit, match="error: trainer.epochs=0 is not valid"):
+        run_folder.run_job(refused)
 
 
 def hparams_experiment(log_dir: Path):
