@@ -358,6 +358,13 @@ def _check_model_and_features(cfg: DictConfig) -> None:
     for key in ("data.features.n_mels", "data.features.n_fft", "data.features.win_length"):
         _positive(cfg, key, integer=True)
     _positive(cfg, "data.features.hop_length", integer=True)
+    features = cfg.data.features
+    if features.win_length > features.n_fft:
+        raise ConfigError(
+            f"data.features.win_length={features.win_length} is longer than data.features."
+            f"n_fft={features.n_fft}; the window must fit the FFT (e.g. data.features.n_fft="
+            f"{1 << (features.win_length - 1).bit_length()})."
+        )
     _non_negative(cfg, "device.num_workers", "DataLoader worker processes; 0 loads in the loop")
     keys = OmegaConf.select(cfg, "trainer.compile_module_keys")
     unknown = [key for key in keys or [] if key not in MODULE_KEYS]

@@ -109,6 +109,7 @@ def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
         ("data.features.n_mels=0", "data.features.n_mels=0 is not valid"),
         ("data.features.n_mels=1", "n_mels=1 is too small for subsampling"),
         ("data.features.hop_length=0", "data.features.hop_length=0 is not valid"),
+        ("data.features.win_length=300", "win_length=300 is longer than data.features.n_fft=256"),
         ("device.num_workers=-1", "device.num_workers=-1 is not valid; it must be >= 0"),
         (
             "trainer.compile_module_keys=[modle]",
