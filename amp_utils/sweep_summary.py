@@ -227,34 +227,41 @@ def held_out_speakers_markdown(runs: list[dict[str, Any]]) -> str:
 
     A leave-one-speaker-out sweep (``-m 'data.test_speakers=[george],[jackson],...'``)
     gives one run per held-out voice; the mean over them is the number that says whether
-    a model works on a voice it has never heard. Runs are grouped by precision and model;
-    empty string when no run held speakers out.
+    a model works on a voice it has never heard. Runs are grouped by precision, model and
+    their other overrides (a sweep over seeds too: one table per seed), so that a mean
+    never mixes settings; empty string when no run held speakers out.
     """
-    groups: dict[tuple[str, str], list[tuple[str, dict[str, float]]]] = {}
+    groups: dict[tuple[str, str, tuple[str, ...]], list[tuple[str, dict[str, float]]]] = {}
     for run in runs:
         results = run["results"]
         speakers = (results.dataset or {}).get("test_speakers") if results else None
         if not speakers:
             continue
-        key = (str(results.precision), str(results.model))
+        others = tuple(
+            o
+            for o in _non_precision_overrides(run["overrides"])
+            if o.partition("=")[0].lstrip("+") != "data.test_speakers"
+        )
+        key = (str(results.precision), str(results.model), others)
         groups.setdefault(key, []).append((",".join(speakers), results.test_metrics or {}))
     if not groups:
         return ""
     out = ["", "## Held-out speakers (test set = every recording of a voice never trained on)", ""]
-    for (precision, model), entries in sorted(groups.items()):
+    for (precision, model, others), entries in sorted(groups.items()):
         names = [n for n in entries[0][1] if n != "loss"]
         rows = [
             {
                 "held-out speaker": speaker,
                 **{metric_label(n): _format_number(m.get(n)) for n in names},
             }
-            for speaker, m in sorted(entries)
+            for speaker, m in sorted(entries, key=lambda entry: entry[0])
         ]
         mean = {"held-out speaker": f"mean of {len(entries)}"}
         for name in names:
             values = [m[name] for _, m in entries if isinstance(m.get(name), (int, float))]
             mean[metric_label(name)] = _format_number(sum(values) / len(values) if values else None)
-        out += [f"{model}, {precision}:", "", format_markdown([*rows, mean])]
+        setting = ", ".join([model, precision, *others])
+        out += [f"{setting}:", "", format_markdown([*rows, mean])]
     return "\n".join(out)
 
 
@@ -405,13 +412,21 @@ class SweepSummaryCallback(Callback):
         """Write ``summary.md``/``summary.csv`` into ``hydra.sweep.dir`` and print the table.
 
         Raises:
-            SystemExit: (status 1, after the table) when a job failed, naming those jobs.
+            SystemExit: (status 1, after the table) when a job failed, naming those jobs;
+                also when the summary cannot be written (Hydra turns a callback's error
+                into a warning, and the sweep would end as if all were well).
         """
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             log.warning("Sweep directory %s does not exist; no summary written", sweep_dir)
             return
-        rows = summarize_sweep(sweep_dir)
+        try:
+            rows = summarize_sweep(sweep_dir)
+        except Exception as err:  # Hydra would only warn: the sweep must not look fine
+            raise SystemExit(
+                f"error: the sweep summary could not be written ({type(err).__name__}: {err}); "
+                f"each job's results.json is in its folder in {sweep_dir}."
+            ) from err
         print(f"Sweep summary ({sweep_dir / 'summary.md'}):\n{format_markdown(rows)}")
         failed = [row["run"] for row in rows if row.get("status") == "failed"]
         if failed:

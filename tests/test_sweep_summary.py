@@ -159,6 +159,19 @@ def test_callback_writes_summary_and_prints_table(tmp_path: Path, capsys) -> Non
     assert "| 1 | ok | fp16 |" in printed and "1.80x" in printed
 
 
+def test_a_summary_that_cannot_be_written_fails_the_sweep(tmp_path: Path, monkeypatch) -> None:
+    """Hydra turns a callback's exception into a warning: the sweep ended with status 0."""
+    import amp_utils.sweep_summary as sweep_summary
+
+    def broken(sweep_dir: Path) -> list:
+        raise TypeError("'<' not supported between instances of 'dict' and 'dict'")
+
+    monkeypatch.setattr(sweep_summary, "summarize_sweep", broken)
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with pytest.raises(SystemExit, match="the sweep summary could not be written .TypeError"):
+        SweepSummaryCallback().on_multirun_end(config=config)
+
+
 def test_callback_is_instantiable_from_hydra_config() -> None:
     from hydra.utils import instantiate
 
@@ -188,6 +201,26 @@ def test_leave_one_speaker_out_sweep_gets_per_speaker_rows_and_their_mean(tmp_pa
     _write_job(summarize_sweep_without, "0_plain", [], _results("fp32", []))
     summarize_sweep(summarize_sweep_without)
     assert "Held-out" not in (summarize_sweep_without / "summary.md").read_text()
+
+
+def test_held_out_speakers_over_seeds_get_a_table_per_seed(tmp_path: Path) -> None:
+    """``-m 'data.test_speakers=[george],[lucas]' seed=1,2``: two runs per speaker in one
+    (precision, model) group made the sort compare two metric dicts (a TypeError: no
+    summary at all), and one mean would have mixed the seeds."""
+    index = 0
+    for seed in (1, 2):
+        for speaker, wer in (("george", 40.0), ("lucas", 20.0)):
+            overrides = [f"data.test_speakers=[{speaker}]", f"seed={seed}"]
+            results = _results("fp32", overrides, CER=wer / 2, WER=wer + seed, loss=1.0)
+            results["dataset"] = {"test_speakers": [speaker]}
+            _write_job(tmp_path, f"{index}_{speaker}_{seed}", overrides, results)
+            index += 1
+    summarize_sweep(tmp_path)
+    held_out = (tmp_path / "summary.md").read_text().split("## Held-out speakers", 1)[1]
+    assert "conformer_ctc, fp32, seed=1:" in held_out and "conformer_ctc, fp32, seed=2:" in held_out
+    per_seed = held_out.split("seed=2:")
+    assert "| mean of 2 | 15.00 | 31.00 |" in per_seed[0]
+    assert "| mean of 2 | 15.00 | 32.00 |" in per_seed[1]
 
 
 def test_a_sweep_over_seeds_gets_means_spreads_and_paired_differences_from_fp32(
