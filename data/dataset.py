@@ -16,7 +16,7 @@ import torch
 from data.audio import load_audio
 from data.errors import DataError
 from data.manifest import Utterance
-from data.text import CharTokenizer
+from data.text import CharTokenizer, normalize_transcript
 
 
 @dataclass
@@ -139,6 +139,9 @@ class AudioDataset(torch.utils.data.Dataset):
 
         self.tokens: list[list[int]] = []
         self.speaker_ids: list[int] = []
+        #: Each utterance's reference text, normalised as its tokens are (a manifest's
+        #: "SEVEN" is trained as "seven", and must be scored against "seven").
+        self.transcripts = [normalize_transcript(utt.transcript) for utt in self.utterances]
         for utt in self.utterances:
             if utt.speaker not in speaker_index:
                 raise DataError(
@@ -177,7 +180,7 @@ class AudioDataset(torch.utils.data.Dataset):
             "wav": self.load_wav(index) if self._audio is None else self._cached_wav(index),
             "tokens": torch.tensor(self.tokens[index], dtype=torch.int64),
             "speaker": self.speaker_ids[index],
-            "transcript": utt.transcript,
+            "transcript": self.transcripts[index],
             "duration": utt.duration,
         }
 

@@ -37,13 +37,13 @@ class CharTokenizer:
         return len(self.symbols)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (lower-cased first).
+        """Token ids of ``text``, normalised first (:func:`normalize_transcript`).
 
         Raises:
             DataError: if the text holds characters outside the vocabulary; the message
                 names the text and the characters.
         """
-        lowered = text.lower()
+        lowered = normalize_transcript(text)
         unknown = sorted({char for char in lowered if char not in self._index})
         if unknown:
             raise DataError(
@@ -70,6 +70,13 @@ class CharTokenizer:
             if token != self.blank_id:
                 chars.append(self.symbols[token])
         return "".join(chars)
+
+
+def normalize_transcript(text: str) -> str:
+    """``text`` lower-cased, its words separated by single spaces (no leading or trailing
+    space): what the model is trained to output, so also what its output is scored against
+    (``"Seven  Two "`` -> ``"seven two"``)."""
+    return " ".join(text.lower().split())
 
 
 def lexicon_words(transcripts: Iterable[str]) -> tuple[str, ...]:

@@ -71,6 +71,25 @@ def test_bad_transcript_names_utterance(tmp_path: Path) -> None:
         AudioDataset(utts, 8000, CharTokenizer(), FSDD_SPEAKERS)
 
 
+def test_a_transcript_is_scored_as_it_is_trained_lower_case_single_spaces(fsdd_utts) -> None:
+    """A manifest's "SEVEN" was trained as "seven" (the tokenizer lower-cases) but scored
+    against "SEVEN": a model without an error scored CER 47 %, WER 100 %."""
+    utt = fsdd_utts[0]
+    utts = [
+        Utterance("a", utt.path, utt.duration, "SEVEN", utt.speaker),
+        Utterance("b", utt.path, utt.duration, " Seven  Two ", utt.speaker),
+    ]
+    dataset = AudioDataset(utts, 8000, CharTokenizer(), FSDD_SPEAKERS)
+    batch = collate_audio([dataset[0], dataset[1]])
+    assert batch.transcripts == ["seven", "seven two"]
+    tokenizer = CharTokenizer()
+    trained = [
+        tokenizer.decode(t[:n].tolist())
+        for t, n in zip(batch.tokens, batch.token_lens, strict=True)
+    ]
+    assert trained == batch.transcripts
+
+
 def test_unknown_speaker(tmp_path: Path) -> None:
     utts = [Utterance("utt-1", str(tmp_path / "a.wav"), 1.0, "one", "alice")]
     with pytest.raises(DataError, match="utt-1.*'alice'"):

@@ -12,7 +12,8 @@ from data.text import DIGIT_WORDS, CharTokenizer, ctc_greedy_decode
 def test_vocabulary() -> None:
     tokenizer = CharTokenizer()
     assert tokenizer.vocab_size == 29 and tokenizer.blank_id == 0
-    assert tokenizer.encode(" az'") == [1, 2, 27, 28]
+    assert tokenizer.encode("a z'") == [2, 1, 27, 28]
+    assert tokenizer.encode("  A  Z' ") == [2, 1, 27, 28]  # normalised: as it is scored
 
 
 def test_round_trip_lower_cases() -> None:
