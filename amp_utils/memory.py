@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import resource
 import sys
 from pathlib import Path
@@ -11,6 +12,18 @@ import torch
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Collect garbage and, on CUDA, hand the allocator's cached free blocks back.
+
+    Call it before the warm-up of a measurement: a new peak-memory window starts at the
+    memory reserved then, cached blocks that earlier work left behind included, so a row
+    timed after another would otherwise count the other's leftovers.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def reset_peak_memory(device: torch.device) -> None:

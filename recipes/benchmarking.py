@@ -427,70 +427,11 @@ def run_benchmark(
     if cfg.benchmark.tf32_baseline and "fp32" in cfg.benchmark.precisions:
         variants.insert(1, ("fp32", True))
     check_benchmark_config(cfg)
-    warmup, steps = cfg.benchmark.warmup_steps, cfg.benchmark.steps
     for precision, tf32 in variants:
-        run_cfg = OmegaConf.merge(
-            cfg, {"precision": {"name": precision, "eval_precision": precision, "allow_tf32": tf32}}
-        )
-        brain, loader = build(run_cfg)
-        if brain.device.type != "cuda" and tf32:
-            continue
-        configure_tf32(brain.device, tf32)
-        brain.on_fit_start()
-        brain.modules.train()
-        flops = (
-            FlopCounter(build_modules(run_cfg).to(brain.device), brain) if build_modules else None
-        )
-        batch = synthetic_batch(cfg, brain.device, len(brain.hparams.speakers))
-        staged: list[AudioBatch] | None = None
-        shapes: list[AudioBatch] = []
-        if cfg.data.pad_to_buckets and {"staged", "loader"} & set(cfg.benchmark.modes):
-            shapes = shape_representatives(loader, brain.device)
-        variant = precision + ("+tf32" if tf32 else "")
-        for mode in cfg.benchmark.modes:
-            extra_warmup: list[AudioBatch] = []
-            if mode == "bare":
-                step, batches = bare_step_fn(brain, precision), cycle([batch])
-            elif mode == "brain":
-                step, batches = brain_step_fn(brain), cycle([batch])
-            elif mode in ("staged", "loader"):
-                step = brain_step_fn(brain)
-                if staged is None:
-                    staged = staged_batches(loader, warmup + steps, brain.device)
-                    # Compile on first sight, capture on the second (trainer.graph_step:
-                    # after its eager warm-up steps), and replay once, before timing.
-                    rounds = 2 + (
-                        run_cfg.trainer.graph_step_warmup if run_cfg.trainer.graph_step else 0
-                    )
-                    extra_warmup = shapes * rounds
-                batches = cycle(staged) if mode == "staged" else loader_batches(loader)
-            elif precision not in cfg.benchmark.peer_precisions or tf32:
-                continue
-            else:
-                row = _peer_row(mode, precision, tf32, cfg, brain, build_modules, batch, flops)
-                rows.append(row)
-                continue
-            compiled: float | None = None  # compiled-code calls per profiled step
-            for extra in extra_warmup:
-                step(extra)
-            stats = time_steps(step, batches, warmup, steps, brain.device)
-            if cfg.benchmark.profile_steps > 0 and profile_dir is not None:
-                summary, ops, compiled = profile_steps(
-                    step, batches, cfg.benchmark.profile_steps, brain.device
-                )
-                atomic_write_text(profile_dir / f"profile_{mode}_{variant}.txt", summary)
-                profiles.setdefault(mode, {})[variant] = ops
-            brain.flush_pending()
-            if mode in ("bare", "brain"):  # synthetic batches
-                stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
-            row = _row(mode, precision, tf32, stats, flops, batch, brain.device)
-            if compiled is not None and run_cfg.trainer.compile:
-                row["compiled_calls_per_step"] = compiled
-            if mode != "bare" and run_cfg.trainer.graph_step:
-                # So far in this precision (the modes share one Brain); None: not in use.
-                row["step_graphs"] = brain.step_graph_stats()
-            rows.append(row)
-        del brain, loader
+        # One precision's Brain lives inside this call only: after it returns, nothing
+        # refers to it, so its memory (weights, optimizer state, graph pools) is freed
+        # before the next precision is timed (it was not, and inflated their peak MB).
+        rows += _precision_rows(cfg, precision, tf32, build, build_modules, profile_dir, profiles)
         if profile_dir is not None:
             write_profile_comparisons(profile_dir, profiles)
         if on_progress is not None:
@@ -500,6 +441,83 @@ def run_benchmark(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return _ordered(rows)
+
+
+def _precision_rows(
+    cfg: DictConfig,
+    precision: str,
+    tf32: bool,
+    build: Callable[[DictConfig], tuple[AudioBrain, Any]],
+    build_modules: Callable[[DictConfig], torch.nn.ModuleDict] | None,
+    profile_dir: Path | None,
+    profiles: dict[str, dict[str, dict[str, OpTime]]],
+) -> list[dict[str, Any]]:
+    """The rows of one precision (one variant): every mode of ``cfg.benchmark`` on one
+    Brain. The peers run first, before our Brain has optimizer state or step graphs, so
+    that their peak memory holds no more of ours than its weights."""
+    warmup, steps = cfg.benchmark.warmup_steps, cfg.benchmark.steps
+    rows: list[dict[str, Any]] = []
+    run_cfg = OmegaConf.merge(
+        cfg, {"precision": {"name": precision, "eval_precision": precision, "allow_tf32": tf32}}
+    )
+    brain, loader = build(run_cfg)
+    if brain.device.type != "cuda" and tf32:
+        return rows
+    configure_tf32(brain.device, tf32)
+    brain.on_fit_start()
+    brain.modules.train()
+    flops = FlopCounter(build_modules(run_cfg).to(brain.device), brain) if build_modules else None
+    batch = synthetic_batch(cfg, brain.device, len(brain.hparams.speakers))
+    staged: list[AudioBatch] | None = None
+    shapes: list[AudioBatch] = []
+    if cfg.data.pad_to_buckets and {"staged", "loader"} & set(cfg.benchmark.modes):
+        shapes = shape_representatives(loader, brain.device)
+    variant = precision + ("+tf32" if tf32 else "")
+    modes = sorted(cfg.benchmark.modes, key=lambda mode: mode not in PEER_MODES)
+    for mode in modes:
+        extra_warmup: list[AudioBatch] = []
+        if mode == "bare":
+            step, batches = bare_step_fn(brain, precision), cycle([batch])
+        elif mode == "brain":
+            step, batches = brain_step_fn(brain), cycle([batch])
+        elif mode in ("staged", "loader"):
+            step = brain_step_fn(brain)
+            if staged is None:
+                staged = staged_batches(loader, warmup + steps, brain.device)
+                # Compile on first sight, capture on the second (trainer.graph_step:
+                # after its eager warm-up steps), and replay once, before timing.
+                rounds = 2 + (
+                    run_cfg.trainer.graph_step_warmup if run_cfg.trainer.graph_step else 0
+                )
+                extra_warmup = shapes * rounds
+            batches = cycle(staged) if mode == "staged" else loader_batches(loader)
+        elif precision not in cfg.benchmark.peer_precisions or tf32:
+            continue
+        else:
+            row = _peer_row(mode, precision, tf32, cfg, brain, build_modules, batch, flops)
+            rows.append(row)
+            continue
+        compiled: float | None = None  # compiled-code calls per profiled step
+        for extra in extra_warmup:
+            step(extra)
+        stats = time_steps(step, batches, warmup, steps, brain.device)
+        if cfg.benchmark.profile_steps > 0 and profile_dir is not None:
+            summary, ops, compiled = profile_steps(
+                step, batches, cfg.benchmark.profile_steps, brain.device
+            )
+            atomic_write_text(profile_dir / f"profile_{mode}_{variant}.txt", summary)
+            profiles.setdefault(mode, {})[variant] = ops
+        brain.flush_pending()
+        if mode in ("bare", "brain"):  # synthetic batches
+            stats["audio_seconds"] = stats["utterances"] * cfg.benchmark.utterance_seconds
+        row = _row(mode, precision, tf32, stats, flops, batch, brain.device)
+        if compiled is not None and run_cfg.trainer.compile:
+            row["compiled_calls_per_step"] = compiled
+        if mode != "bare" and run_cfg.trainer.graph_step:
+            # So far in this precision (the modes share one Brain); None: not in use.
+            row["step_graphs"] = brain.step_graph_stats()
+        rows.append(row)
+    return rows
 
 
 def step_graph_notes(rows: list[dict[str, Any]]) -> list[str]:

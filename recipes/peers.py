@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from amp_utils.autocast import PRECISIONS
-from amp_utils.memory import reset_peak_memory
+from amp_utils.memory import release_cached_memory, reset_peak_memory
 from recipes.step_timing import step_stats, time_steps
 
 #: The peers :func:`run_peer` knows, by name.
@@ -375,6 +375,7 @@ class LightningPeer:
             raise ValueError(f"Only {len(planned)} batches for {warmup} + {steps} steps.")
         utterances, audio_s = _batch_sizes(planned[warmup:])
         timer = _lightning_step_timer(warmup, steps, self.device)
+        release_cached_memory(self.device)  # as time_steps does before its warm-up
         trainer = pl.Trainer(
             **self.trainer_kwargs, max_steps=warmup + steps, max_epochs=1, callbacks=[timer]
         )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from amp_utils.loaders import timed_batches
-from amp_utils.memory import peak_memory_mb, reset_peak_memory
+from amp_utils.memory import peak_memory_mb, release_cached_memory, reset_peak_memory
 from data.dataset import AudioBatch
 
 
@@ -47,6 +47,7 @@ def time_steps(
     loader's, e.g. workers refilling at an epoch boundary).
     """
     cuda = device.type == "cuda"
+    release_cached_memory(device)  # earlier rows' cached blocks stay out of this peak
     for _ in range(warmup):
         step(next(batches))
     if cuda:
