@@ -118,6 +118,12 @@ SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # what the deadline cuts is reported as skipped
 PARTS=${PARTS:-"graph_tests default_runs bench_m_graphs bench_graphs bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled activation_memory bench_m gpu_tests sweep bench_small"}
 mkdir -p "$OUT" "$WORK"
+# A second command on the same warm machine shares $WORK (sweeps resume from their
+# checkpoints there): its summary lists only what this command wrote (newer than STAMP).
+STAMP="$WORK/.command_start"
+touch "$STAMP"
+: > "$WORK/parts.txt"
+fresh() { [ -f "$1" ] && [ "$1" -nt "$STAMP" ]; }
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 left() { echo $((DEADLINE - (SECONDS - START))); }
@@ -313,18 +319,18 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     "$WORK"/default_runs/summary.md "$WORK"/sweep_gpu_asr/summary.md \
     "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do
-    [ -f "$md" ] && { echo "== $md"; cat "$md"; }
+    fresh "$md" && { echo "== $md"; cat "$md"; }
   done
   for profile in "$WORK"/bench_*graphs*/profile_brain_*.txt; do  # kernels, compiled code
-    [ -f "$profile" ] && echo "$(basename "$(dirname "$profile")")/$(basename "$profile"):" \
+    fresh "$profile" && echo "$(basename "$(dirname "$profile")")/$(basename "$profile"):" \
       "$(head -1 "$profile")"
   done
   for log in "$WORK/graph_tests.log" "$WORK/gpu_tests.log"; do
-    [ -f "$log" ] && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$log"
+    fresh "$log" && grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$log"
   done
   for log in "$WORK"/bench_graphs.log "$WORK"/bench_graphs_compiled.log \
     "$WORK"/bench_m_graphs.log "$WORK"/default_runs.log; do  # why not captured, if not
-    [ -f "$log" ] && grep -E "graph_step|Captured" "$log" | sed -E 's/^\[[^]]*\]//' \
+    fresh "$log" && grep -E "graph_step|Captured" "$log" | sed -E 's/^\[[^]]*\]//' \
       | sed -E 's/batch shape \[.*\] as CUDA graph [0-9]+/a batch shape/' | sort | uniq -c | sort -rn | head -8
   done
 } > "$OUT/summary_$(echo $PARTS | cut -c1-12 | tr ' ' '-').md"
