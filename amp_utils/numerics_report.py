@@ -104,9 +104,14 @@ class NumericsReport:
         return [m for m in self.modules if m.verdict != FINE]
 
     def fix_line(self) -> str | None:
-        """One ``precision.fp32_modules=[...]`` line for every module to keep in fp32."""
+        """One ``precision.fp32_modules=[...]`` line for the innermost modules to keep in
+        fp32: a module that contains a flagged one inherits its error, and pinning it too
+        would run all it holds in fp32 (the whole model, for the root)."""
         names = [m.name for m in self.modules if m.verdict == KEEP_FP32]
-        return fp32_modules_line(names) if names else None
+        innermost = [
+            name for name in names if not any(other.startswith(f"{name}.") for other in names)
+        ]
+        return fp32_modules_line(innermost) if innermost else None
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready data (infinities as strings ``"inf"``/``"-inf"``)."""

@@ -122,6 +122,18 @@ def test_precision_loss_is_flagged_with_the_fix_line(precision):
         assert healthy.verdict == FINE and 0 < healthy.relative_error < tolerance / 4
 
 
+def test_the_fix_line_pins_the_innermost_flagged_modules_not_their_containers():
+    """A container inherits its child's error: it is flagged too, but pinning it would
+    run all it holds in fp32 (here the whole model)."""
+    torch.manual_seed(0)
+    inner = planted_model()
+    model = nn.ModuleDict({"model": nn.Sequential(inner.healthy, inner.cancelling)})
+    report = probe(model, "bf16")
+    flagged = {m.name for m in report.flagged()}
+    assert {"model", "model.1"} <= flagged  # the container inherits the error
+    assert report.fix_line() == "precision.fp32_modules=[model.1]"
+
+
 def test_fix_line_applied_removes_the_flag():
     model = planted_model()
     assert verdicts(probe(model, "bf16"))["cancelling"] == KEEP_FP32
