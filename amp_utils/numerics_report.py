@@ -42,6 +42,10 @@ UNDERFLOW_SHARE_LIMIT = 0.10
 #: largest gradients just below 65504; values more than 2^40 smaller still underflow,
 #: and when over 1 % do, the update loses a visible part of its direction.
 GRAD_UNDERFLOW_SHARE_LIMIT = 0.01
+#: In an fp16 run, a parameter with more than this share of exactly-zero gradients makes
+#: the fp16 verdict "unsure" (underflow or true zeros; e.g. ReLU's dead inputs give the
+#: default recipe's frontend 2 % of true zeros): only an fp32 run can tell them apart.
+MOSTLY_ZERO_SHARE = 0.5
 
 FINE, KEEP_FP32, PREFER_BF16 = "fine", "keep in fp32", "prefer bf16"
 VERDICT_RANK = {KEEP_FP32: 0, PREFER_BF16: 1, FINE: 2}  # worst first
@@ -304,8 +308,24 @@ def _overall(
         problems.append(f"{len(imprecise)} module(s) lose precision ({_few(imprecise)})")
     if grads:
         problems.append(f"{len(grads)} parameter(s) have gradients that underflow ({_few(grads)})")
+    # In an fp16 run an underflowed gradient arrives as an exact zero, which cannot be told
+    # from a gradient that is zero in fp32 too: only an fp32 run measures the underflow.
+    zeros = (
+        [p.name for p in params if p.zero_share > MOSTLY_ZERO_SHARE]
+        if fmt == precision == "fp16"
+        else []
+    )
+    unsure = (
+        f"{len(zeros)} parameter(s) have mostly zero gradients in this fp16 run "
+        f"({_few(zeros)}): underflowed, or zero in fp32 too, which an fp16 run cannot tell "
+        "apart; diagnose with precision=fp32, which measures fp16's underflow at the loss scale"
+    )
     if problems:
-        return f"{fmt}: unsafe: " + "; ".join(problems) + ".", False
+        return f"{fmt}: unsafe: " + "; ".join(
+            [*problems, *([unsure] if zeros else [])]
+        ) + ".", False
+    if zeros:
+        return f"{fmt}: unsure: {unsure}.", False
     measured = (
         "range and error checked"
         if fmt == precision

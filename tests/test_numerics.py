@@ -145,6 +145,27 @@ def test_fix_line_applied_removes_the_flag():
     assert inner.relative_error == 0.0 and inner.range_checked == []
 
 
+def test_an_fp16_run_does_not_call_gradients_that_came_out_zero_safe():
+    """Under fp16 autocast the same underflow arrives as exact zeros, which the underflow
+    share leaves out: the report called fp16 safe while all of tiny.weight's gradient was
+    lost. It now says it cannot tell, and how to find out."""
+    torch.manual_seed(0)
+    tiny, normal = nn.Linear(64, 64), nn.Linear(64, 64)
+    model = nn.ModuleDict({"tiny": tiny, "normal": normal})
+    scale = 2.0**16
+    gradients = GradientProbe(model, loss_scale=scale, grads_are_scaled=True)
+    x = torch.randn(4, 64)
+    with gradients:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = 1e-13 * tiny(x).float().sum() + normal(x).float().pow(2).mean()
+        (loss * scale).backward()  # what GradScaler.scale(loss).backward() does
+    report = build_report(ActivationProbe(model), gradients, "fp16", 1, "GradScaler")
+    assert {p.name: p for p in report.parameters}["tiny.weight"].zero_share == 1.0
+    assert not report.fp16_safe
+    assert report.overall["fp16"].startswith("fp16: unsure: 2 parameter(s) have mostly zero")
+    assert "diagnose with precision=fp32" in report.overall["fp16"]
+
+
 def test_gradients_that_underflow_fp16_at_the_loss_scale_are_flagged():
     tiny, normal = nn.Linear(64, 64), nn.Linear(64, 64)
     model = nn.ModuleDict({"tiny": tiny, "normal": normal})
