@@ -68,9 +68,14 @@ def _sweeper_direction() -> str | None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
-        direction = HydraConfig.get().sweeper.get("direction")
+        return sweeper_direction(HydraConfig.get().sweeper)
     except ValueError:  # composed outside @hydra.main
         return None
+
+
+def sweeper_direction(sweeper: DictConfig) -> str | None:
+    """The optimisation direction of a Hydra sweeper's config (``hydra.sweeper``), if any."""
+    direction = sweeper.get("direction")
     if isinstance(direction, list | tuple) or OmegaConf.is_list(direction):
         return str(direction[0]) if len(direction) == 1 else None
     return str(direction) if direction is not None else None

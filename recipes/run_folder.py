@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.run_results import RESULTS_FILE, RunResults
-from recipes.preflight import USER_ERRORS, preflight
+from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,17 @@ class RunFolderCallback(Callback):
 
     Registered in ``conf/config.yaml`` (``hydra.callbacks.run_folder``).
     """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Refuse a sweeper that would tune the wrong way before its first trial (each
+        trial would be refused the same way, after the sweep had started)."""
+        task_cfg = copy.deepcopy(config)
+        with read_write(task_cfg), open_dict(task_cfg):
+            del task_cfg["hydra"]
+        try:
+            check_sweep_direction(task_cfg, sweeper_direction(config.hydra.sweeper))
+        except USER_ERRORS as err:
+            sys.exit(f"error: {err}")
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""

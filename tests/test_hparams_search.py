@@ -63,3 +63,18 @@ def test_two_trial_optuna_sweep_tunes_on_validation_cer(tmp_path, fsdd_root):
     best = float(re.search(r"Best value: ([0-9.eE+-]+)", result.stdout + result.stderr).group(1))
     assert best == pytest.approx(min(valid_cer))  # Optuna saw the validation CER, minimised
     assert (sweep_dir / "summary.md").is_file()  # the comparison table still appears
+
+
+def test_a_sweeper_tuning_the_wrong_way_is_refused_before_its_first_trial(tmp_path, fsdd_root):
+    """Each trial was refused the same way, after the sweep had started: a job folder per
+    trial (and, since a failed job ends alone, every trial of the search)."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        ["-m", "hparams_search=speaker_optuna", *FAST, f"hydra.sweep.dir={sweep_dir}"],
+        fsdd_root,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "error: hydra.sweeper.direction=maximize but model=conformer_ctc" in result.stderr
+    assert not sweep_dir.exists()
