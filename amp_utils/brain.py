@@ -171,6 +171,8 @@ class Brain:
         self.amp = self._resolve_amp(self.run_opts.precision, "precision")
         self.eval_amp = self._resolve_amp(self.run_opts.eval_precision, "eval_precision")
         warn_if_emulated(self.amp, self.device)
+        if self.eval_amp.name != self.amp.name:  # validation and test run in it
+            warn_if_emulated(self.eval_amp, self.device, key="precision.eval_precision")
         configure_tf32(self.device, self.run_opts.allow_tf32)
         configure_onednn_cache(self.run_opts.onednn_cache_capacity)
 

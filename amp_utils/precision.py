@@ -207,8 +207,10 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
     )
 
 
-def warn_if_emulated(amp: AMPConfig, device: torch.device) -> bool:
-    """Warn (once per precision) when ``amp`` is not native on this CPU; True if so.
+def warn_if_emulated(amp: AMPConfig, device: torch.device, key: str = "precision") -> bool:
+    """Warn (once per precision and key) when ``amp`` is not native on this CPU; True if so.
+
+    ``key`` is the setting the message names (``precision.eval_precision`` for evaluation).
 
     Emulated bf16/fp16 is 2-20x slower than fp32, by precision and vector instructions
     (``emulated_cpu_slowdown``); fp16 on a CPU with AVX512-FP16 but no AMX-FP16 is about as
@@ -219,25 +221,30 @@ def warn_if_emulated(amp: AMPConfig, device: torch.device) -> bool:
         return False
     if amp.name in cpu_native_precisions():
         return False
-    if (amp.name, device.type) in _warned:
+    if (key, amp.name, device.type) in _warned:
         return True
-    _warned.add((amp.name, device.type))
+    _warned.add((key, amp.name, device.type))
     if amp.name == "fp16" and cpu_has_avx512_fp16():
         logger.warning(
-            "precision=fp16 on a CPU with AVX512-FP16 but without AMX-FP16: fp16 runs %s here, "
-            "so it gains nothing and adds loss scaling. Use precision=auto (bf16 where this "
-            "CPU has it natively) or precision=fp32.",
+            "%s=fp16 on a CPU with AVX512-FP16 but without AMX-FP16: fp16 runs %s here, "
+            "so it gains nothing and adds loss scaling. Use %s=auto (bf16 where this "
+            "CPU has it natively) or %s=fp32.",
+            key,
             AVX512_FP16_SPEED,
+            key,
+            key,
         )
     else:
         needs = "AVX512-BF16 or AMX" if amp.name == "bf16" else "AMX-FP16"
         logger.warning(
-            "precision=%s on a CPU without %s: PyTorch emulates %s here, %s. Use "
-            "precision=fp32, or precision=auto to pick the fastest precision this machine "
-            "supports.",
+            "%s=%s on a CPU without %s: PyTorch emulates %s here, %s. Use "
+            "%s=fp32, or %s=auto to pick the fastest precision this machine supports.",
+            key,
             amp.name,
             needs,
             amp.name,
             emulated_cpu_slowdown(amp.name),
+            key,
+            key,
         )
     return True

@@ -309,6 +309,25 @@ def test_emulated_cpu_precision_warns_once_naming_the_capability(monkeypatch, ca
     assert not warn_if_emulated(AMPConfig.from_name("bf16"), cpu)
 
 
+def test_an_emulated_eval_precision_is_warned_about_naming_its_key(monkeypatch, caplog):
+    """fp32 training with bf16 evaluation on a CPU without bf16: validation and test ran
+    ~10x slower without a word."""
+    from amp_utils import Brain
+
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    monkeypatch.setattr("amp_utils.precision.cpu_has_avx512_fp16", lambda: False)
+    monkeypatch.setattr("amp_utils.precision.cpu_vector_isa", lambda: "AVX2")
+    monkeypatch.setattr("amp_utils.precision._warned", set())
+    with caplog.at_level(logging.WARNING, logger="amp_utils.precision"):
+        Brain(
+            {"model": torch.nn.Linear(2, 2)},
+            run_opts={"device": "cpu", "precision": "fp32", "eval_precision": "bf16"},
+        )
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("precision.eval_precision=bf16 on a CPU without AVX512-BF16")
+    assert "Use precision.eval_precision=fp32" in message
+
+
 @pytest.mark.parametrize("avx512_fp16", [True, False])
 def test_cpu_fp16_warning_tells_fp32_speed_from_emulation(monkeypatch, caplog, avx512_fp16):
     """With AVX512-FP16 (no AMX-FP16) fp16 reaches fp32's speed, not 10x slower: the warning
