@@ -196,11 +196,20 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         self._cache = (self.epoch, batches)
         return batches
 
-    def _rank_batches(self) -> list[list[int]]:
+    def _kept_batches(self) -> list[list[int]]:
+        """This epoch's batches of all ranks, less the uneven rest (``drop_uneven``)."""
         batches = self._all_batches()
         if self.drop_uneven:
             batches = batches[: len(batches) - len(batches) % self.num_replicas]
-        return batches[self.rank :: self.num_replicas]
+        return batches
+
+    def _rank_batches(self) -> list[list[int]]:
+        return self._kept_batches()[self.rank :: self.num_replicas]
+
+    def epoch_utterances(self) -> int:
+        """Utterances in the current epoch's batches, all ranks together: fewer than
+        ``len(durations)`` when batches are dropped (``drop_last``, ``drop_uneven``)."""
+        return sum(len(batch) for batch in self._kept_batches())
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self._rank_batches()[self._skip :])

@@ -252,6 +252,18 @@ def build_data(
             if data_cfg.pad_to_buckets
             else collate_audio
         )
+        if split == "train":
+            trained = sampler.epoch_utterances()
+            record["train_utterances_per_epoch"] = trained  # results.json: what an epoch uses
+            if trained < len(dataset):
+                logger.info(
+                    "Each training epoch uses %d of the %d training utterances: "
+                    "data.pad_to_buckets leaves out each bucket's partial batch, and DDP "
+                    "the batches that would give the processes uneven steps (other "
+                    "utterances every epoch).",
+                    trained,
+                    len(dataset),
+                )
         loaders[split] = DataLoader(
             dataset,
             batch_sampler=sampler,

@@ -48,7 +48,7 @@ def test_pad_to_buckets_drop_last(durations: list[float], expected: list[int]) -
     kept = DurationBatchSampler(
         durations, 3.0, shuffle=False, num_buckets=1, pad_to_buckets=True, drop_last=True
     )
-    assert sizes(kept) == expected
+    assert sizes(kept) == expected and kept.epoch_utterances() == sum(expected)
     everything = DurationBatchSampler(
         durations, 3.0, shuffle=False, num_buckets=1, pad_to_buckets=True
     )
