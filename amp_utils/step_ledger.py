@@ -158,6 +158,13 @@ class StepLedger:
         loss = values[0]
         if self.count_nonfinite(loss, item.step):
             self.train_loss.add(loss)
+        # The learning rate this step used: read before on_applied_step moves the
+        # schedule on (logged after it, train/lr showed the next step's rate).
+        extra = (
+            self.extra_scalars()
+            if self.tensorboard is not None and item.stepped and self.extra_scalars is not None
+            else {}
+        )
         if item.stepped:
             grad_norm, skipped = values[1], values[2] > 0.5
             if skipped:
@@ -170,23 +177,23 @@ class StepLedger:
         if item.signalled and values.pop() > 0.5:
             self.stop_requested = True
         scale = values[-1] if item.scaled else None
-        self._log_scalars(item, loss, scale)
+        self._log_scalars(item, loss, scale, extra)
 
     @property
     def steps_taken(self) -> int:
         """Optimizer steps of the whole run, applied or skipped: TensorBoard's x-axis."""
         return self.optimizer_step + self.skipped_steps
 
-    def _log_scalars(self, item: PendingBatch, loss: float, scale: float | None) -> None:
+    def _log_scalars(
+        self, item: PendingBatch, loss: float, scale: float | None, extra: dict[str, float]
+    ) -> None:
         # Keyed on the run's optimizer steps, not on the in-epoch batch counter, so the
         # interval runs on across epochs (steps 10, 20, 30, not 10, 20, 37, 47).
         if self.tensorboard is None or not item.stepped:
             return
         if self.steps_taken % self.log_interval_steps:
             return
-        scalars: dict[str, float] = {"train/loss": loss}
-        if self.extra_scalars is not None:
-            scalars.update(self.extra_scalars())
+        scalars: dict[str, float] = {"train/loss": loss, **extra}
         if item.stepped and self.last_grad_norm is not None:
             scalars["train/grad_norm"] = self.last_grad_norm
         if scale is not None:
