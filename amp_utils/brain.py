@@ -360,6 +360,9 @@ class Brain:
         if self._resume_step > 0 and isinstance(self._epoch_counter, EpochCounter):
             # The interrupted epoch is re-entered and its finished batches skipped.
             self._epoch_counter.current -= 1
+        resume_at = getattr(self.tensorboard, "resume_at", None)
+        if resume_at is not None:  # what a killed session logged after the checkpoint goes
+            resume_at(self.ledger.steps_taken + 1)
         logger.info(
             "Resumed from %s (optimizer step %d, %d batches into the epoch)",
             ckpt.path,
@@ -838,10 +841,11 @@ class Brain:
         self.flush_pending()
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
-        epoch_time = time.perf_counter() - self._epoch_start
-        self.train_stats["time_s"] += epoch_time
-        epoch_wait = self.train_stats["data_wait_s"] - wait_before
-        self._report_data_wait(epoch, epoch_wait, epoch_time, train_set)
+        if self.step > skip:  # a session resumed past the epoch's last batch trained none
+            epoch_time = time.perf_counter() - self._epoch_start
+            self.train_stats["time_s"] += epoch_time
+            epoch_wait = self.train_stats["data_wait_s"] - wait_before
+            self._report_data_wait(epoch, epoch_wait, epoch_time, train_set)
         self._trained_batches = self.step  # a signal in validation resumes past them
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)

@@ -35,12 +35,21 @@ class TensorBoardLogger:
     def __init__(self, log_dir: str | Path) -> None:
         self.log_dir = Path(log_dir)
         self._writer: SummaryWriter | None = None
+        self._purge_step: int | None = None
+
+    def resume_at(self, step: int) -> None:
+        """A resumed run goes on from ``step``: the points an interrupted session wrote from
+        there on are superseded. The new event file starts with TensorBoard's session-start
+        marker at ``step`` (``SummaryWriter(purge_step=...)``), so readers drop them instead
+        of showing two points per step. Call it before the first write."""
+        if self._writer is None:
+            self._purge_step = step
 
     @property
     def writer(self) -> SummaryWriter:
         """The event writer (created, with its event file, on first use)."""
         if self._writer is None:
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self._purge_step)
         return self._writer
 
     def log_scalars(self, scalars: Mapping[str, float], step: int) -> None:

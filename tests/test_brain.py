@@ -671,7 +671,9 @@ def test_an_epoch_end_checkpoint_drops_the_unfinished_window_as_the_next_epoch_d
         assert torch.equal(p, q)
 
 
-def preempted_in_validation(ckpt_dir, signal_in_epoch=None, seen=None) -> ShuffledRegression:
+def preempted_in_validation(
+    ckpt_dir, signal_in_epoch=None, seen=None, tensorboard=None
+) -> ShuffledRegression:
     """Two epochs of 12 training and 10 validation batches; SIGTERM during the first
     validation batch of epoch ``signal_in_epoch``. ``seen`` collects the validation
     batches run, as (epoch, batch)."""
@@ -692,6 +694,7 @@ def preempted_in_validation(ckpt_dir, signal_in_epoch=None, seen=None) -> Shuffl
         lambda p: torch.optim.AdamW(p, lr=1e-2),
         run_opts=run_opts(),
         checkpointer=Checkpointer(ckpt_dir),
+        tensorboard=tensorboard,
     )
     brain.fit(
         EpochCounter(2),
@@ -699,6 +702,18 @@ def preempted_in_validation(ckpt_dir, signal_in_epoch=None, seen=None) -> Shuffl
         valid_set=DataLoader(make_data(40), batch_size=4),
     )
     return brain
+
+
+def test_a_session_that_trains_no_batch_logs_no_epoch_data_wait(tmp_path):
+    """Resumed after a signal in validation, the session skips all of epoch 1's batches:
+    it logged a second, wrong epoch/data_wait_share at that epoch's step (and counted the
+    skipping as training time)."""
+    logged = RecordingLogger()
+    with pytest.raises(TrainingInterrupted):
+        preempted_in_validation(tmp_path / "run", signal_in_epoch=1, seen=[], tensorboard=logged)
+    preempted_in_validation(tmp_path / "run", tensorboard=logged)
+    waits = [step for step, s in logged.scalars if "epoch/data_wait_share" in s]
+    assert waits == [12, 24]
 
 
 def test_a_signal_during_validation_saves_the_trained_epoch_at_once_and_resumes_exactly(

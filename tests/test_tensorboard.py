@@ -6,6 +6,7 @@ The browser check of the same things is ``benchmarks/tensorboard_check.py`` (slo
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -213,3 +214,45 @@ def test_the_ranks_stop_flag_is_read_with_the_batch_and_leaves_the_loss_scale_al
     ledger.flush()
     assert ledger.stop_requested and ledger.optimizer_step == 2
     assert scales == [1024.0, 2048.0]
+
+
+def test_a_resumed_run_has_one_point_per_step(tmp_path: Path):
+    """Killed some steps after its last checkpoint, then resumed: the killed session's
+    steps after the checkpoint are superseded (one point per step, the resumed ones), where
+    every scalar after the checkpoint used to have two (kill -9 and resume)."""
+    from torch.utils.data import DataLoader
+
+    from amp_utils import Checkpointer, EpochCounter
+    from amp_utils.checkpoint import STATE_FILE, read_state
+    from tests.test_brain import RegressionBrain, make_data, make_model, run_opts, sgd
+
+    class Killed(Exception):
+        pass
+
+    def run(kill_before: int | None = None) -> None:
+        class Brain(RegressionBrain):
+            def on_fit_batch_start(self, batch, should_step):
+                if self.step == kill_before:
+                    raise Killed
+
+        brain = Brain(
+            {"model": make_model()},
+            sgd(),
+            run_opts=run_opts(log_interval_steps=1, ckpt_interval_steps=4),
+            checkpointer=Checkpointer(tmp_path / "ckpt"),
+            tensorboard=TensorBoardLogger(tmp_path / "tb"),
+        )
+        try:
+            brain.fit(EpochCounter(1), DataLoader(make_data(32), batch_size=4))
+        finally:
+            brain.tensorboard.close()
+
+    with contextlib.suppress(Killed):
+        run(kill_before=8)
+    newest = Checkpointer(tmp_path / "ckpt").list_checkpoints()[-1]
+    saved = read_state(newest.path / STATE_FILE)["state"]["brain"]["optimizer_step"]
+    killed_logged = [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
+    assert max(killed_logged) > saved  # steps after the checkpoint, logged and then lost
+    run()
+    steps = [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
+    assert steps == list(range(1, 9))
