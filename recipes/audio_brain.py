@@ -275,5 +275,32 @@ def checkpoints_to_average(
     averaging" has the measurements).
     """
     if average_from == "last":
-        return checkpointer.find_last_checkpoints(num)
+        return final_epochs(checkpointer.find_last_checkpoints(num), num)
     return checkpointer.find_best_checkpoints(num, min_key=min_key, max_key=max_key)
+
+
+def final_epochs(newest_first: list[Any], num: int) -> list[Any]:
+    """Of end-of-epoch checkpoints, newest first, those of the ``num`` final epochs (one
+    per epoch). The newest ``num`` on disk need not be those: rotation may have removed some
+    (a run trained with ``average_from=best`` keeps the best and the newest two), and a
+    scattered set would be averaged as "the final epochs". Warns when some are missing."""
+    epochs = [c.meta.get("epoch") for c in newest_first]
+    if not newest_first or not all(isinstance(e, int) for e in epochs):
+        return newest_first  # checkpoints from before epochs were recorded
+    last = epochs[0]
+    final: dict[int, Any] = {}
+    for ckpt, epoch in zip(newest_first, epochs, strict=True):
+        if epoch > last - num:
+            final.setdefault(epoch, ckpt)
+    wanted = list(range(last, max(last - num, 0), -1))
+    if list(final) != wanted:
+        logger.warning(
+            "trainer.average_from=last averages the %d final epochs (%s), but the "
+            "checkpoints of epochs %s are not on disk (trainer.keep_checkpoints rotated them "
+            "away, or they were unreadable): the test averages epochs %s only.",
+            num,
+            ", ".join(map(str, wanted[::-1])),
+            ", ".join(str(e) for e in wanted[::-1] if e not in final),
+            ", ".join(map(str, sorted(final))),
+        )
+    return list(final.values())

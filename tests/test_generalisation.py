@@ -6,6 +6,7 @@ config and a real (debug-sized) run on FSDD audio.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,24 @@ def test_averaging_the_final_epochs_keeps_and_averages_them(tmp_path, fsdd_root)
     key = next(k for k in weights[0] if k.endswith("weight") and weights[0][k].dim() > 1)
     expected = sum(w[key].double() for w in weights) / 3
     assert torch.allclose(trained.model.state_dict()[key].double(), expected, atol=1e-6)
+
+
+def test_averaging_the_final_epochs_never_averages_scattered_ones(caplog):
+    """On disk after a run with average_from=best: epochs 6, 3 and 1. 'last 3' averaged
+    those as "the final epochs"; it averages epoch 6 only now, and says why."""
+    from types import SimpleNamespace
+
+    from recipes.audio_brain import final_epochs
+
+    def ckpts(*epochs):
+        return [SimpleNamespace(meta={"epoch": e}, name=f"epoch {e}") for e in epochs]
+
+    assert [c.meta["epoch"] for c in final_epochs(ckpts(6, 5, 4), 3)] == [6, 5, 4]
+    assert [c.meta["epoch"] for c in final_epochs(ckpts(2, 1), 3)] == [2, 1]  # all there are
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        assert [c.meta["epoch"] for c in final_epochs(ckpts(6, 3, 1), 3)] == [6]
+    assert "the checkpoints of epochs 4, 5 are not on disk" in caplog.text
+    assert "averages epochs 6 only" in caplog.text
+    legacy = [SimpleNamespace(meta={}), SimpleNamespace(meta={})]  # no epochs recorded
+    assert final_epochs(legacy, 2) == legacy
