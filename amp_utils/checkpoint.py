@@ -152,6 +152,8 @@ class Checkpointer:
         self.recoverables: dict[str, Recoverable] = {}
         self.optional: set[str] = set()  # recoverables a checkpoint may lack
         self.allow_partial_load = allow_partial_load
+        # (state file, size, mtime) -> its SHA-256 matched: each file is hashed once
+        self._verified: dict[tuple[str, int, int], bool] = {}
         if recoverables:
             self.add_recoverables(recoverables)
 
@@ -308,10 +310,15 @@ class Checkpointer:
         num_best: int = 1,
         num_last_epochs: int = 0,
     ) -> None:
-        ckpts = self.list_checkpoints(verify=False)
+        # The places are given among verified checkpoints: a corrupt one (of the recorded
+        # size, found by hashing) must not hold one a good checkpoint needs (the averaged
+        # final epochs, the best); it goes with the others not kept.
+        listed = self.list_checkpoints(verify=False)
+        ckpts = self.list_checkpoints(cached=True)
         superseded = _superseded_mid_epoch(ckpts)
         if predicate is not None:
             ckpts = [c for c in ckpts if predicate(c)]
+            listed = [c for c in listed if predicate(c)]
         recent = [c for c in ckpts if c.path not in superseded]
         keep = {c.path for c in recent[-num_to_keep:]} if num_to_keep > 0 else set()
         if num_last_epochs > 0:
@@ -320,7 +327,7 @@ class Checkpointer:
             keep.update(c.path for c in self._ranked(ckpts, key, minimize=True)[:num_best])
         for key in max_keys or ():
             keep.update(c.path for c in self._ranked(ckpts, key, minimize=False)[:num_best])
-        for ckpt in ckpts:
+        for ckpt in listed:
             if ckpt.path not in keep:
                 _delete(ckpt.path)
         # Leftovers of a process killed while saving or deleting.
@@ -328,27 +335,36 @@ class Checkpointer:
             shutil.rmtree(stale, ignore_errors=True)
 
     # ---------------------------------------------------------------- finding
-    def list_checkpoints(self, verify: bool = True) -> list[Checkpoint]:
-        """All readable checkpoints, oldest first; corrupt ones are skipped with a warning."""
+    def list_checkpoints(self, verify: bool = True, cached: bool = False) -> list[Checkpoint]:
+        """All readable checkpoints, oldest first; corrupt ones are skipped with a warning.
+
+        ``cached``: a state file already verified in this process, unchanged in size and
+        modification time, is not hashed again (rotation after every save); loading always
+        hashes.
+        """
         if not self.checkpoints_dir.is_dir():
             return []
         found = []
         for path in sorted(self.checkpoints_dir.glob(f"{CKPT_PREFIX}*")):
-            meta = self._read_meta(path, verify=verify)
+            meta = self._read_meta(path, verify=verify, cached=cached)
             if meta is not None:
                 found.append(Checkpoint(path, meta))
         found.sort(key=lambda c: (c.meta.get("unixtime", 0.0), c.path.name))
         return found
 
-    def _read_meta(self, path: Path, verify: bool) -> dict[str, Any] | None:
+    def _read_meta(self, path: Path, verify: bool, cached: bool = False) -> dict[str, Any] | None:
         try:
             meta = json.loads((path / META_FILE).read_text())
             state_path = path / STATE_FILE
-            size = state_path.stat().st_size
-            if size != meta["state_bytes"]:
-                raise ValueError(f"size {size} != recorded {meta['state_bytes']}")
-            if verify and _sha256(state_path) != meta["state_sha256"]:
-                raise ValueError("checksum mismatch")
+            stat = state_path.stat()
+            if stat.st_size != meta["state_bytes"]:
+                raise ValueError(f"size {stat.st_size} != recorded {meta['state_bytes']}")
+            if verify:
+                key = (str(state_path), stat.st_size, stat.st_mtime_ns)
+                if not cached or key not in self._verified:
+                    self._verified[key] = _sha256(state_path) == meta["state_sha256"]
+                if not self._verified[key]:
+                    raise ValueError("checksum mismatch")
         except (OSError, ValueError, KeyError, TypeError) as err:
             logger.warning("Skipping unreadable checkpoint %s (%s)", path, err)
             return None

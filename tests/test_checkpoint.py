@@ -178,6 +178,27 @@ def test_retention_keeps_the_n_best_and_the_newest(tmp_path):
     assert kept == [2, 3, 4, 6]  # best three (CER 2, 3, 5) + the newest
 
 
+def test_a_corrupt_checkpoint_holds_no_place_a_good_one_needs(tmp_path):
+    """Epoch 3's file is damaged (same size); the run resumes from epoch 2 and trains
+    epochs 3 and 4 again. Rotation counted the damaged one among the last three epochs and
+    deleted epoch 2, which the average needs; now the damaged one goes instead."""
+    ckpt = Checkpointer(tmp_path, {"model": linear(0.0)})
+
+    def save(epoch):
+        ckpt.save_and_keep_only(meta={"epoch": epoch}, num_to_keep=1, num_last_epochs=3)
+
+    for epoch in (1, 2, 3):
+        save(epoch)
+    damaged = ckpt.list_checkpoints()[-1].path / "state.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    for epoch in (3, 4):  # trained again after the resume from epoch 2
+        save(epoch)
+    assert [c.meta["epoch"] for c in ckpt.find_last_checkpoints(3)] == [4, 3, 2]
+    assert not damaged.exists()  # as retention treats corrupt checkpoints (a test below)
+
+
 def test_retention_keeps_the_final_epochs_for_averaging_them(tmp_path):
     """``num_last_epochs``: the N most recent end-of-epoch checkpoints stay, a mid-epoch one
     (no metrics) neither counts nor is returned, and the best is still kept."""
