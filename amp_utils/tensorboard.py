@@ -142,7 +142,7 @@ def write_sweep_experiment(
     """
     runs = [session_hparams(run_dir) for run_dir in run_dirs]
     names: list[str] = []
-    for name in [*first, *(n for run in runs for n in run)]:
+    for name in [*first, *sorted({n for run in runs for n in run})]:  # (a map: no order)
         if name not in names and any(name in run for run in runs):
             names.append(name)
     if not names:
@@ -161,10 +161,39 @@ def write_sweep_experiment(
         data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
         for info in data.experiment.hparam_infos:
             info.differs = info.name in differing
+        data.experiment.time_created_secs = 0.0  # no clock: a rerun writes the same bytes
         value.metadata.plugin_data.content = data.SerializeToString()
         value.tensor.CopyFrom(TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[0.0]))
-    for old in Path(sweep_dir).glob("events.out.tfevents.*"):  # an earlier summary of this sweep
+    earlier = list(Path(sweep_dir).glob("events.out.tfevents.*"))  # this sweep's, if rerun
+    if len(earlier) == 1 and _experiment_of(earlier[0]) == _plugin_data(experiment):
+        return names  # the same experiment: a rerun of a finished sweep changes no file
+    for old in earlier:
         old.unlink()
     with SummaryWriter(str(sweep_dir)) as writer:
         writer.file_writer.add_summary(experiment)
     return names
+
+
+def _plugin_data(summary: Any) -> list[tuple[str, Any]]:
+    """(tag, HParams plugin data) of each value of an experiment summary."""
+    return [
+        (
+            value.tag,
+            plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content),
+        )
+        for value in summary.value
+    ]
+
+
+def _experiment_of(event_file: Path) -> list[tuple[str, Any]] | None:
+    """The experiment an event file holds, as :func:`_plugin_data` gives it (None: none,
+    or unreadable). Compared by content: the writer adds fields of its own (data_class)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    try:
+        for event in EventFileLoader(str(event_file)).Load():
+            if event.HasField("summary"):
+                return _plugin_data(event.summary)
+    except Exception:  # noqa: BLE001 -- a damaged file is rewritten
+        return None
+    return None

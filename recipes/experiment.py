@@ -285,7 +285,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     preflight(cfg)
     finished = finished_results(Path(cfg.output_dir), int(cfg.trainer.epochs))
     if finished is not None:
-        logger.info(finished_message(Path(cfg.output_dir), finished))
+        # To the console only: in a sweep the job's log file is open, and a finished run's
+        # files stay byte-identical.
+        print(finished_message(Path(cfg.output_dir), finished), flush=True)
         return finished.to_dict()
     folder = RunFolder(Path(cfg.output_dir))
     try:

@@ -702,6 +702,28 @@ def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
     assert "not divisible by num_heads" in logs[1]
 
 
+def test_rerunning_a_finished_sweep_changes_no_file(fsdd_root, prepared_digits, tmp_path):
+    """The job's train.log gained the "has finished" line and the sweep's HParams event
+    file was deleted and written anew under another name."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        "precision=fp32",
+        *FAST,
+        "trainer.epochs=1",
+        "trainer.debug_epochs=1",
+        f"data.prepared_dir={prepared_digits}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    first = run_cli("train.py", args, fsdd_root)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(sweep)
+    again = run_cli("train.py", args, fsdd_root)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "has finished" in again.stdout + again.stderr
+    assert snapshot(sweep) == before
+
+
 def test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback(monkeypatch, caplog):
     """In a sweep a crash (a bug, out of memory) ends its job alone, with the traceback in
     the job's log; outside a sweep it propagates, bad input exits with one line, and a
