@@ -292,13 +292,21 @@ def exit_on_unknown_override_keys(root: type, argv: list[str] | None = None) -> 
         sys.exit(f"error: {err}")
 
 
-def _check_augmentation(data_cfg: DictConfig) -> None:
-    """Build the augmentation modules once: their constructors are the one check of their values."""
-    for group, build in (("spec_augment", build_augment), ("wave_augment", build_wave_augment)):
+def _check_augmentation(data_cfg: DictConfig) -> dict[str, torch.nn.Module]:
+    """Build the augmentation modules once: their constructors are the one check of their
+    values. Returns those switched on, by their module key (``build_modules``' keys)."""
+    modules = {}
+    for group, key, build in (
+        ("spec_augment", "augment", build_augment),
+        ("wave_augment", "wave_augment", build_wave_augment),
+    ):
         try:
-            build(data_cfg)
+            module = build(data_cfg)
         except ValueError as err:
             raise ConfigError(f"data.{group}: {err}") from None
+        if module is not None:
+            modules[key] = module
+    return modules
 
 
 def _check_graph_step(cfg: DictConfig) -> None:
@@ -351,10 +359,12 @@ def _check_required(cfg: DictConfig) -> None:
 _PLACEHOLDER_SPEAKERS = ("speaker_a", "speaker_b")
 
 
-def _check_model_and_features(cfg: DictConfig) -> None:
+def _check_model_and_features(cfg: DictConfig, augmentations: dict[str, torch.nn.Module]) -> None:
     """Build the features and the model once, the model on the meta device (no memory, no
     compute): their constructors are the one check of their sizes (heads that divide
-    ``d_model``, a power-of-two subsampling, dropout in [0, 1), enough mel bands)."""
+    ``d_model``, a power-of-two subsampling, dropout in [0, 1), enough mel bands). With
+    ``augmentations`` (from :func:`_check_augmentation`) they are the run's modules, which
+    ``precision.fp32_modules`` patterns must name."""
     for key in ("data.features.n_mels", "data.features.n_fft", "data.features.win_length"):
         _positive(cfg, key, integer=True)
     _positive(cfg, "data.features.hop_length", integer=True)
@@ -365,14 +375,6 @@ def _check_model_and_features(cfg: DictConfig) -> None:
             f"n_fft={features.n_fft}; the window must fit the FFT (e.g. data.features.n_fft="
             f"{1 << (features.win_length - 1).bit_length()})."
         )
-    _non_negative(cfg, "device.num_workers", "DataLoader worker processes; 0 loads in the loop")
-    keys = OmegaConf.select(cfg, "trainer.compile_module_keys")
-    unknown = [key for key in keys or [] if key not in MODULE_KEYS]
-    if unknown:
-        raise ConfigError(
-            f"trainer.compile_module_keys has {unknown}, which are not modules of the run; "
-            f"valid: {', '.join(MODULE_KEYS)} (e.g. trainer.compile_module_keys=[model])."
-        )
     try:
         modules = {"features": build_features(cfg.data)}
         with torch.device("meta"), warnings.catch_warnings():
@@ -380,10 +382,7 @@ def _check_model_and_features(cfg: DictConfig) -> None:
             modules["model"] = build_model(cfg, _PLACEHOLDER_SPEAKERS)
     except ValueError as err:
         raise ConfigError(f"model={cfg.model.name}: {err}") from None
-    for name, build in (("wave_augment", build_wave_augment), ("augment", build_augment)):
-        module = build(cfg.data)
-        if module is not None:
-            modules[name] = module
+    modules.update(augmentations)
     # precision.fp32_modules: a pattern that names no module is refused here, not after
     # the data are prepared (UnknownModulePatternError, one line)
     apply_fp32_modules(modules, list(OmegaConf.select(cfg, "precision.fp32_modules") or []))
@@ -478,8 +477,15 @@ def validate_config(cfg: DictConfig) -> None:
             "device.onednn_cache_capacity",
             "e.g. device.onednn_cache_capacity=4096; 0: no cache; null: oneDNN's own default",
         )
-    _check_augmentation(cfg.data)
-    _check_model_and_features(cfg)
+    _non_negative(cfg, "device.num_workers", "DataLoader worker processes; 0 loads in the loop")
+    keys = OmegaConf.select(cfg, "trainer.compile_module_keys")
+    unknown = [key for key in keys or [] if key not in MODULE_KEYS]
+    if unknown:
+        raise ConfigError(
+            f"trainer.compile_module_keys has {unknown}, which are not modules of the run; "
+            f"valid: {', '.join(MODULE_KEYS)} (e.g. trainer.compile_module_keys=[model])."
+        )
+    _check_model_and_features(cfg, _check_augmentation(cfg.data))
     smoothing = OmegaConf.select(cfg, "model.label_smoothing", default=0.0)
     if not 0.0 <= smoothing < 1.0:
         raise ConfigError(
