@@ -314,7 +314,7 @@ class Checkpointer:
         # size, found by hashing) must not hold one a good checkpoint needs (the averaged
         # final epochs, the best); it goes with the others not kept.
         listed = self.list_checkpoints(verify=False)
-        ckpts = self.list_checkpoints(cached=True)
+        ckpts = [c for c in listed if self._intact(c)]
         superseded = _superseded_mid_epoch(ckpts)
         if predicate is not None:
             ckpts = [c for c in ckpts if predicate(c)]
@@ -335,40 +335,49 @@ class Checkpointer:
             shutil.rmtree(stale, ignore_errors=True)
 
     # ---------------------------------------------------------------- finding
-    def list_checkpoints(self, verify: bool = True, cached: bool = False) -> list[Checkpoint]:
-        """All readable checkpoints, oldest first; corrupt ones are skipped with a warning.
-
-        ``cached``: a state file already verified in this process, unchanged in size and
-        modification time, is not hashed again (rotation after every save); loading always
-        hashes.
-        """
+    def list_checkpoints(self, verify: bool = True) -> list[Checkpoint]:
+        """All readable checkpoints, oldest first; corrupt ones are skipped with a warning."""
         if not self.checkpoints_dir.is_dir():
             return []
         found = []
         for path in sorted(self.checkpoints_dir.glob(f"{CKPT_PREFIX}*")):
-            meta = self._read_meta(path, verify=verify, cached=cached)
+            meta = self._read_meta(path, verify=verify)
             if meta is not None:
                 found.append(Checkpoint(path, meta))
         found.sort(key=lambda c: (c.meta.get("unixtime", 0.0), c.path.name))
         return found
 
-    def _read_meta(self, path: Path, verify: bool, cached: bool = False) -> dict[str, Any] | None:
+    def _read_meta(self, path: Path, verify: bool) -> dict[str, Any] | None:
         try:
             meta = json.loads((path / META_FILE).read_text())
             state_path = path / STATE_FILE
-            stat = state_path.stat()
-            if stat.st_size != meta["state_bytes"]:
-                raise ValueError(f"size {stat.st_size} != recorded {meta['state_bytes']}")
-            if verify:
-                key = (str(state_path), stat.st_size, stat.st_mtime_ns)
-                if not cached or key not in self._verified:
-                    self._verified[key] = _sha256(state_path) == meta["state_sha256"]
-                if not self._verified[key]:
-                    raise ValueError("checksum mismatch")
+            size = state_path.stat().st_size
+            if size != meta["state_bytes"]:
+                raise ValueError(f"size {size} != recorded {meta['state_bytes']}")
+            if verify and _sha256(state_path) != meta["state_sha256"]:
+                raise ValueError("checksum mismatch")
         except (OSError, ValueError, KeyError, TypeError) as err:
             logger.warning("Skipping unreadable checkpoint %s (%s)", path, err)
             return None
         return meta
+
+    def _intact(self, ckpt: Checkpoint) -> bool:
+        """Whether ``ckpt``'s state file (of its recorded size) has its recorded SHA-256.
+
+        For rotation, which runs after every save: each version of a file (its size and
+        modification time) is hashed once in this process; loading always hashes.
+        """
+        state_path = ckpt.path / STATE_FILE
+        try:
+            stat = state_path.stat()
+        except OSError:
+            return False
+        key = (str(state_path), stat.st_size, stat.st_mtime_ns)
+        if key not in self._verified:
+            self._verified[key] = _sha256(state_path) == ckpt.meta["state_sha256"]
+            if not self._verified[key]:
+                logger.warning("Skipping unreadable checkpoint %s (checksum mismatch)", ckpt.path)
+        return self._verified[key]
 
     @staticmethod
     def _ranked(ckpts: list[Checkpoint], key: str, minimize: bool) -> list[Checkpoint]:
