@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 import logging.handlers
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,6 +93,14 @@ class _TakenOver:
 _taken_over: _TakenOver | None = None
 
 
+def _task_config(config: DictConfig) -> DictConfig:
+    """A callback's config without its ``hydra`` node: what the task function gets."""
+    task_cfg = copy.deepcopy(config)
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+    return task_cfg
+
+
 class RunFolderCallback(Callback):
     """Hydra callback: check a single run before Hydra writes into its folder.
 
@@ -101,9 +110,7 @@ class RunFolderCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a sweeper that would tune the wrong way before its first trial (each
         trial would be refused the same way, after the sweep had started)."""
-        task_cfg = copy.deepcopy(config)
-        with read_write(task_cfg), open_dict(task_cfg):
-            del task_cfg["hydra"]
+        task_cfg = _task_config(config)
         try:
             check_sweep_direction(task_cfg, sweeper_direction(config.hydra.sweeper))
         except USER_ERRORS as err:
@@ -112,9 +119,7 @@ class RunFolderCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""
         global _taken_over
-        task_cfg = copy.deepcopy(config)
-        with read_write(task_cfg), open_dict(task_cfg):
-            del task_cfg["hydra"]
+        task_cfg = _task_config(config)
         run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         try:
             preflight(task_cfg)
@@ -254,8 +259,6 @@ def run_job(job: Callable[[], float]) -> float:
 def in_single_process_sweep() -> bool:
     """Whether this process runs one job of a ``-m`` sweep, outside DDP: a job that fails
     then ends alone and the sweep goes on (under DDP every rank would have to agree)."""
-    import os
-
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
