@@ -367,6 +367,19 @@ class StopAfter(Exception):
     pass
 
 
+def dying_before(base: type[Brain], step: int | None) -> type[Brain]:
+    """``base`` whose run dies at the start of batch ``step`` of an epoch (``StopAfter``,
+    as a kill would: nothing saved then); ``None``: it never dies."""
+
+    class Dying(base):
+        def on_fit_batch_start(self, batch, should_step):
+            if self.step == step:
+                raise StopAfter
+            super().on_fit_batch_start(batch, should_step)
+
+    return Dying
+
+
 def train_shuffled(ckpt_dir, epochs=3, stop_at=None, **opts):
     class Interrupted(ShuffledRegression):
         """Dies at the start of batch ``stop_at`` (as a kill would); saves every step."""
@@ -790,16 +803,8 @@ def test_a_run_resumed_in_a_streak_of_nonfinite_losses_stops_where_it_would_have
     """Patience 2, NaN losses on batches 3-5; killed before batch 4 (a checkpoint after
     every batch): the resumed run counts batch 3's NaN and stops at batch 5 too."""
 
-    class Killed(Exception):
-        pass
-
     def run(folder, kill_before=None):
-        class Brain(InjectedLossBrain):
-            def on_fit_batch_start(self, batch, should_step):
-                if self.step == kill_before:
-                    raise Killed
-
-        brain = Brain(
+        brain = dying_before(InjectedLossBrain, kill_before)(
             {"model": make_model()},
             sgd(),
             hparams={"bad_steps": {3, 4, 5}, "factor": float("nan")},
@@ -810,7 +815,7 @@ def test_a_run_resumed_in_a_streak_of_nonfinite_losses_stops_where_it_would_have
 
     with pytest.raises(NonFiniteLossError, match="3 consecutive"):
         run(tmp_path / "whole")
-    with pytest.raises(Killed):
+    with pytest.raises(StopAfter):
         run(tmp_path / "run", kill_before=4)
     with pytest.raises(NonFiniteLossError, match="3 consecutive"):
         run(tmp_path / "run")

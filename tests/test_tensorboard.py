@@ -224,18 +224,18 @@ def test_a_resumed_run_has_one_point_per_step(tmp_path: Path):
 
     from amp_utils import Checkpointer, EpochCounter
     from amp_utils.checkpoint import STATE_FILE, read_state
-    from tests.test_brain import RegressionBrain, make_data, make_model, run_opts, sgd
-
-    class Killed(Exception):
-        pass
+    from tests.test_brain import (
+        RegressionBrain,
+        StopAfter,
+        dying_before,
+        make_data,
+        make_model,
+        run_opts,
+        sgd,
+    )
 
     def run(kill_before: int | None = None) -> None:
-        class Brain(RegressionBrain):
-            def on_fit_batch_start(self, batch, should_step):
-                if self.step == kill_before:
-                    raise Killed
-
-        brain = Brain(
+        brain = dying_before(RegressionBrain, kill_before)(
             {"model": make_model()},
             sgd(),
             run_opts=run_opts(log_interval_steps=1, ckpt_interval_steps=4),
@@ -247,7 +247,7 @@ def test_a_resumed_run_has_one_point_per_step(tmp_path: Path):
         finally:
             brain.tensorboard.close()
 
-    with contextlib.suppress(Killed):
+    with contextlib.suppress(StopAfter):
         run(kill_before=8)
     newest = Checkpointer(tmp_path / "ckpt").list_checkpoints()[-1]
     saved = read_state(newest.path / STATE_FILE)["state"]["brain"]["optimizer_step"]

@@ -16,6 +16,7 @@ from amp_utils import Brain, Checkpointer, EpochCounter, Stage
 from amp_utils.module_precision import apply_low_precision_norms
 from amp_utils.weight_casts import WeightCasts
 from recipes.asr.model import ConformerCTC
+from tests.test_brain import StopAfter, dying_before
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -347,10 +348,6 @@ class OptionalHead(nn.Module):
         return out + self.aux(h) if bool(x[0, 0] > 0) else out
 
 
-class Interrupted(Exception):
-    pass
-
-
 def _fit_optional_head(folder, fused: bool, stop_before: int | None = None) -> nn.Module:
     """One epoch of 8 batches (the head serves batches 2, 5 and 8), a checkpoint after every
     batch; ``stop_before``: the run dies before that batch."""
@@ -362,14 +359,10 @@ def _fit_optional_head(folder, fused: bool, stop_before: int | None = None) -> n
         def compute_objectives(self, predictions, batch, stage):
             return nn.functional.mse_loss(predictions.float(), batch[1])
 
-        def on_fit_batch_start(self, batch, should_step):
-            if self.step == stop_before:
-                raise Interrupted
-
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
     x[:, 0] = -x[:, 0].abs()
     x[4::12, 0] = 1.0
-    brain = HeadBrain(
+    brain = dying_before(HeadBrain, stop_before)(
         {"model": OptionalHead()},
         opt_class=lambda params: torch.optim.AdamW(params, lr=1e-2),
         run_opts={
@@ -408,7 +401,7 @@ def test_a_resumed_run_trains_as_the_uninterrupted_one(tmp_path):
     session: ``twice``'s two casts would otherwise differ on the first step after a resume;
     and the session that resumes observes on a batch without the head."""
     expected = _fit_optional_head(tmp_path / "whole", fused=True).state_dict()
-    with pytest.raises(Interrupted):
+    with pytest.raises(StopAfter):
         _fit_optional_head(tmp_path / "run", fused=True, stop_before=4)
     resumed = _fit_optional_head(tmp_path / "run", fused=True).state_dict()
     for name, value in expected.items():
