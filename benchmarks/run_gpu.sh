@@ -4,6 +4,7 @@
 #   bench_graphs       step benchmark of the default small recipe with fast_path=step_graphs
 #                      (each batch shape's whole step captured as one CUDA graph), with a
 #                      torch.profiler summary of 3 more steps per row (why a target is missed)
+#   bench_graphs_brain bench_graphs' fp32 and bf16 Brain rows alone (the default options)
 #   bench_graphs_unfused  bench_graphs' bf16 Brain row with precision.fused_weight_casts=false:
 #                      autocast's own per-weight casts, the A/B of the casts made together
 #   bench_graphs_low_norms  bench_graphs' bf16 Brain row with precision.low_precision_norms=true
@@ -101,6 +102,7 @@ BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-230}  # seconds for bench_m_graphs 
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
 BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s on the H200)
 BENCH_GRAPHS_UNFUSED_LIMIT=${BENCH_GRAPHS_UNFUSED_LIMIT:-45}  # one bf16 row (not measured yet)
+BENCH_GRAPHS_BRAIN_LIMIT=${BENCH_GRAPHS_BRAIN_LIMIT:-60}  # fp32 and bf16 Brain rows (~25 s each)
 BENCH_GRAPHS_LOW_NORMS_LIMIT=${BENCH_GRAPHS_LOW_NORMS_LIMIT:-45}  # one bf16 row (not measured yet)
 BENCH_GRAPHS_COMPILED_LIMIT=${BENCH_GRAPHS_COMPILED_LIMIT:-140}  # fp32 and bf16, ~65 s each (compile)
 GRAPH_TESTS_LIMIT=${GRAPH_TESTS_LIMIT:-160}    # seconds for graph_tests (96 s before its compiled-blocks test)
@@ -110,6 +112,7 @@ DEFAULT_PRECISIONS=${DEFAULT_PRECISIONS:-fp32,bf16}  # precisions of default_run
 DEFAULT_EXTRA=${DEFAULT_EXTRA:-}   # extra overrides for default_runs (dry runs: fewer epochs)
 ACT_MEM_LIMIT=${ACT_MEM_LIMIT:-60}  # seconds for each of activation_memory's 2 runs (not measured yet)
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
+GRAPH_TESTS_K=${GRAPH_TESTS_K:-}   # pytest -k expression of graph_tests (default: all of them)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
 SMALL_EXTRA=${SMALL_EXTRA:-}       # extra overrides for bench_small(_eager)
 SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of bench_small
@@ -193,6 +196,10 @@ part_bench_graphs_unfused() {
     precision.fused_weight_casts=false benchmark.precisions=[bf16] benchmark.modes=[brain] \
     benchmark.profile_steps=3
 }
+part_bench_graphs_brain() {
+  bench_small_run bench_graphs_brain "$BENCH_GRAPHS_BRAIN_LIMIT" fast_path=step_graphs \
+    benchmark.precisions=[fp32,bf16] benchmark.modes=[brain] benchmark.profile_steps=3
+}
 part_bench_graphs_low_norms() {
   bench_small_run bench_graphs_low_norms "$BENCH_GRAPHS_LOW_NORMS_LIMIT" fast_path=step_graphs \
     precision.low_precision_norms=true benchmark.precisions=[bf16] benchmark.modes=[brain] \
@@ -236,7 +243,8 @@ part_gpu_tests() {
 
 part_graph_tests() {
   run_part graph_tests "$GRAPH_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider \
-    --no-header tests/test_weight_casts.py tests/test_step_graphs.py tests/test_ctc_on_device.py
+    --no-header ${GRAPH_TESTS_K:+-k "$GRAPH_TESTS_K"} \
+    tests/test_weight_casts.py tests/test_step_graphs.py tests/test_ctc_on_device.py
 }
 
 # sweep: precision sweep of experiment=gpu_asr. The precisions train at the same time on the
@@ -290,11 +298,12 @@ part_sweep() {
 for part in $PARTS; do
   case $part in
     bench_m | bench_m_graphs | bench_small | bench_small_eager | bench_graphs | gpu_tests | \
-      bench_graphs_compiled | bench_graphs_unfused | bench_graphs_low_norms | graph_tests | sweep | default_runs | \
+      bench_graphs_compiled | bench_graphs_brain | bench_graphs_unfused | bench_graphs_low_norms | graph_tests | sweep | \
+      default_runs | \
       activation_memory)
       "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (default_runs activation_memory bench_graphs bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+    *) echo "$part: unknown part (default_runs activation_memory bench_graphs bench_graphs_brain bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
       | tee -a "$WORK/parts.txt" ;;
   esac
 done

@@ -445,3 +445,46 @@ def test_the_kernel_count_benchmark_shows_fewer_casts_with_each_option(monkeypat
     assert casts[("bf16", True, True)] < casts[("bf16", True, False)] / 4
     # the same tensors cast, plus 4 scalar casts of the loss scaler's bookkeeping
     assert casts[("fp16", True, False)] == casts[("bf16", True, False)] + 4
+
+
+class _CompiledBlock(nn.Module):
+    """A user-defined block (TorchDynamo does not trace ``torch.nn`` containers in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.linear(x))
+
+
+def test_compiled_code_first_met_in_the_observed_pass_is_compiled_afterwards():
+    """The observing pass runs compiled code eagerly, and the code compiles afterwards.
+
+    TorchDynamo skipped a frame it first met under ParameterUses' dispatch mode and never
+    compiled it again: on the 2026-11-27 H200 a captured bf16 step with the weights cast
+    together ran no compiled code at all (the compiled CTC update: 245 calls per step
+    without the casts together, 0 with them).
+    """
+    torch._dynamo.reset()
+    calls: list[int] = []
+
+    def backend(graph_module, example_inputs):  # counts each run of the compiled graph
+        def run(*args):
+            calls.append(1)
+            return graph_module.forward(*args)
+
+        return run
+
+    block = _CompiledBlock()
+    block.compile(backend=backend, dynamic=True)
+    casts = WeightCasts(block, torch.bfloat16)
+    inp = torch.randn(3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16), casts.during_forward():
+        block(inp).float().sum().backward()
+    assert casts.observed and calls == [], "compiled code ran under the dispatch mode"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        block(inp)
+        block(torch.randn(5, 6))
+    assert len(calls) == 2, "compiled code no longer runs after the observed pass"
+    torch._dynamo.reset()

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_utils import fast_kernels
 from amp_utils.autocast import fwd_default_precision
@@ -358,6 +359,13 @@ def ctc_loss(
     Returns:
         Scalar fp32 loss (per-target losses divided by target lengths, then averaged).
     """
+    if out_lens.device != log_probs.device and _get_current_dispatch_mode() is not None:
+        # Under a dispatch mode (the pass where WeightCasts observes the weights' uses)
+        # torch's ctc_loss takes its tensor-subclass path, whose CUDA kernels want every
+        # length on the GPU: host lengths failed every bf16/fp16 CUDA run's first step
+        # (2026-11-27 H200). The copy waits for the GPU, once per run.
+        out_lens = out_lens.to(log_probs.device)
+        token_lens = token_lens.to(log_probs.device)
     return F.ctc_loss(
         log_probs.float().transpose(0, 1),
         tokens,
