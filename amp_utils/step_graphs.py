@@ -19,9 +19,15 @@ What a captured step needs, and what :class:`StepGraphs` does about it:
   Brain runs it with ``graph_safe_step`` set, so that recipes use device-side code (the
   ASR recipe's CTC loss with device lengths, augmentation drawn on the device). A value
   read on the host would be frozen at the capture (a CPU tensor's) or break it (a GPU
-  tensor's). The last warm-up step of each shape runs under
+  tensor's). The first warm-up step of each shape runs under
   :class:`~amp_utils.host_reads.HostReads`; if it read values on the host, the shape is
-  not captured and :class:`CaptureFailed` names the lines. A capture that fails for
+  not captured and :class:`CaptureFailed` names the lines. ``torch.compile``d code runs
+  eagerly in that step (as in the first step of a bf16/fp16 run, where
+  :class:`~amp_utils.weight_casts.WeightCasts` observes the weights), so with
+  ``warmup_steps >= 2`` (the default) the compiled code has compiled for the shape before
+  the capture: inductor cannot compile during a capture (2026-11-27 H200: "Cannot copy
+  between CPU and CUDA tensors during CUDA graph capture"), and with one warm-up step a
+  shape may fail to capture and train eagerly. A capture that fails for
   another reason is reported the same way; the Brain then logs why and trains eagerly.
 * **Warm-up.** The first ``warmup_steps`` batches of each shape run eagerly on a side
   stream (real training steps), so that lazily created state -- optimizer moments, the
@@ -151,7 +157,7 @@ class StepGraphs:
             return clone_tensors(captured.outputs)
         self.seen[key] += 1
         if self.seen[key] <= self.warmup_steps:
-            return self._warm_up(key, batch, check=self.seen[key] == self.warmup_steps)
+            return self._warm_up(key, batch, check=self.seen[key] == 1)
         if key in self.host_reads:
             raise CaptureFailed(
                 "the step reads values on the host, which a CUDA graph would freeze at the "

@@ -202,6 +202,26 @@ def test_a_shape_whose_warm_up_read_host_values_is_not_captured(monkeypatch, cap
     assert len(graphs.graphs) == int(capture)
 
 
+def test_the_step_before_each_capture_runs_compiled_code_as_compiled() -> None:
+    """The host-read check is each shape's first warm-up step, so the last one runs outside
+    the dispatch mode, where ``torch.compile``d code runs compiled: inductor compiles it
+    there, not during the capture, which it cannot do (2026-11-27 H200: bf16 with the
+    weights cast together observed the weights in the first warm-up step and checked the
+    second, both eager, and every capture failed with "Cannot copy between CPU and CUDA
+    tensors during CUDA graph capture")."""
+    checked = []
+
+    def body(batch):
+        checked.append(torch._C._len_torch_dispatch_stack() > 0)
+        return batch.x.sum()
+
+    graphs = StepGraphs(body, clone_tensors, lambda s, b: None, warmup_steps=2, capture=False)
+    for size in (3, 2):
+        for _ in range(3):
+            graphs(_Batch(torch.ones(size), []))
+    assert checked == [True, False, False] * 2
+
+
 def test_capturable_optimizers_hold_lr_tensors_only_during_the_step() -> None:
     params = [torch.nn.Parameter(torch.ones(3))]
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
