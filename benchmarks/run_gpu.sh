@@ -24,6 +24,9 @@
 #                      compiled (on the H100, LayerNorm and casts were most of an eager bf16
 #                      Conformer-M step, and inductor fuses them): fp32, TF32, bf16 x
 #                      bare/brain/staged
+#   bench_m_depthwise  bench_m_graphs' bf16 Brain row without and with device.cudnn_depthwise
+#                      (the Conformer's depthwise convolutions channels-last, run by cuDNN:
+#                      PyTorch's own depthwise kernels took ~6 ms of each step on 2026-11-27)
 #   bench_m            step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
 #                      fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
 #   activation_memory  recipes/diagnose.py on experiment=gpu_asr in bf16 with the sweep's
@@ -35,19 +38,16 @@
 # Each part runs under its own time limit inside one deadline; what a part finished is kept.
 # A lease is 15 minutes of device time, the machine's start (1-2 min) included, and a command
 # at most 10 minutes: the default DEADLINE fits one command, and the default PARTS puts first
-# what no lease has measured yet. The second 2026-11-26 H200 lease (commit fa21b34) found
-# that the captured steps ran no compiled code (HostReads' dispatch mode made TorchDynamo
-# skip the compiled blocks and the CTC update for good; fixed in 0a79b3a), so: graph_tests
-# (it checks that a replay runs inductor kernels), then
-# the README's default command (now whole-step graphs on CUDA: fast_path=auto) trained in
-# fp32 and bf16, then Conformer-M and the small recipe with whole-step graphs again, then the
-# small recipe with compiled blocks inside the graph.
-# The accuracy sweep was measured then (bf16/fp16/fp32 test WER 0.62/0.82/0.95 %) and
-# comes last.
-# Next lease (~900 s with the start): command 1 the defaults (graph_tests, default_runs and
-# most of bench_m_graphs fit DEADLINE 560); command 2 with what is left, e.g.
-#   PARTS="bench_m_graphs bench_graphs bench_graphs_unfused bench_graphs_low_norms activation_memory" \
-#     M_GRAPHS_PRECISIONS=[bf16] DEADLINE=<left - 60> bash benchmarks/gpu_lease.sh
+# what no lease has measured yet. The 2026-11-27 H200 lease (commit 3c433aa,
+# benchmarks/results/2026-11-27-h200.md) found bf16/fp16 broken on CUDA with the weights cast
+# together (the default): the README's bf16 command failed at its first step, and graphed
+# bf16 steps ran no compiled code. Fixed in 9864af4 and 3f9fa35; the last fix is not verified
+# on a GPU yet. So: graph_tests (all should pass; ~130 s), default_runs (fp32 and bf16 as the
+# README runs them; fp32 took 34 s), bench_graphs (bf16's 1.3x target with the fixed casts;
+# 68 s), bench_m_depthwise (cuDNN's depthwise kernels against PyTorch's, ~6 ms of a
+# Conformer-M step; ~120 s), activation_memory, then what the 2026-11-27 lease measured.
+# Next lease (~900 s with the start): command 1 the defaults under DEADLINE 560; command 2
+# with what is left, e.g. PARTS="activation_memory bench_graphs_low_norms" DEADLINE=<left - 60>.
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
 # every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
 # fp32 from block 1 on, as each block's final LayerNorm outputs fp32; the conv module's
@@ -59,7 +59,7 @@
 # ~300 s; compare test WER in sweep_gpu_asr/summary.md). With the weights cast together
 # (default since 3766fcf) low_precision_norms also brings bf16's step to 1.01-1.02x fp32's
 # operation count (counted on a CPU: benchmarks/results/2026-11-26-cpu-kernel-count.md).
-# Timings on the H200: bench_graphs 72 s; graph_tests 96 s (before its compiled-blocks test);
+# Timings on the H200: bench_graphs 68-72 s; graph_tests 113 s (2026-11-27, 4 of 11 failing early);
 # the sweep 272 s (1500 steps); bench_m_graphs ~60 s per variant (fp32, TF32, bf16: the
 # first compile of each); bench_small ~65 s per precision; bench_m's fp32 and TF32 rows
 # ~117 s; gpu_tests 20 of 26 in 85 s.
@@ -98,6 +98,8 @@ M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of
 BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader rows
 BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
 M_GRAPHS_PRECISIONS=${M_GRAPHS_PRECISIONS:-[fp32,bf16]}  # of bench_m_graphs (fp32 brings TF32 too)
+M_DEPTHWISE_PRECISIONS=${M_DEPTHWISE_PRECISIONS:-[bf16]}  # of bench_m_depthwise (each run: these)
+BENCH_M_DEPTHWISE_LIMIT=${BENCH_M_DEPTHWISE_LIMIT:-90}  # seconds for each of its 2 runs (~60 s: the compile)
 BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-230}  # seconds for bench_m_graphs (3 variants, ~60-95 s each)
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
 BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s on the H200)
@@ -119,7 +121,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"graph_tests default_runs bench_m_graphs bench_graphs bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled activation_memory bench_m gpu_tests sweep bench_small"}
+PARTS=${PARTS:-"graph_tests default_runs bench_graphs bench_m_depthwise activation_memory bench_graphs_low_norms bench_graphs_unfused bench_m_graphs bench_graphs_compiled bench_m gpu_tests sweep bench_small"}
 mkdir -p "$OUT" "$WORK"
 # A second command on the same warm machine shares $WORK (sweeps resume from their
 # checkpoints there): its summary lists only what this command wrote (newer than STAMP).
@@ -179,6 +181,16 @@ part_bench_m_graphs() {
   bench_m_run bench_m_graphs "$BENCH_M_GRAPHS_LIMIT" fast_path=step_graphs $COMPILED_GRAPHS \
     benchmark.precisions="$M_GRAPHS_PRECISIONS" benchmark.modes=[bare,brain,staged] \
     benchmark.profile_steps=3
+}
+# bench_m_depthwise: bench_m_graphs' Brain row in M_DEPTHWISE_PRECISIONS, with PyTorch's own
+# depthwise kernels and then with cuDNN's (device.cudnn_depthwise=true): an A/B on one machine
+part_bench_m_depthwise() {
+  local flag
+  for flag in false true; do
+    bench_m_run "bench_m_depthwise_$flag" "$BENCH_M_DEPTHWISE_LIMIT" fast_path=step_graphs \
+      $COMPILED_GRAPHS device.cudnn_depthwise=$flag benchmark.precisions="$M_DEPTHWISE_PRECISIONS" \
+      benchmark.tf32_baseline=false benchmark.modes=[brain] benchmark.profile_steps=3
+  done
 }
 
 # the default small recipe: with the compiled fast path, with whole-step graphs (eager or
@@ -243,8 +255,8 @@ part_gpu_tests() {
 
 part_graph_tests() {
   run_part graph_tests "$GRAPH_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider \
-    --no-header ${GRAPH_TESTS_K:+-k "$GRAPH_TESTS_K"} \
-    tests/test_weight_casts.py tests/test_step_graphs.py tests/test_ctc_on_device.py
+    --no-header ${GRAPH_TESTS_K:+-k "$GRAPH_TESTS_K"} tests/test_weight_casts.py \
+    tests/test_step_graphs.py tests/test_ctc_on_device.py tests/test_fast_kernels.py
 }
 
 # sweep: precision sweep of experiment=gpu_asr. The precisions train at the same time on the
@@ -298,12 +310,12 @@ part_sweep() {
 for part in $PARTS; do
   case $part in
     bench_m | bench_m_graphs | bench_small | bench_small_eager | bench_graphs | gpu_tests | \
-      bench_graphs_compiled | bench_graphs_brain | bench_graphs_unfused | bench_graphs_low_norms | graph_tests | sweep | \
+      bench_graphs_compiled | bench_graphs_brain | bench_m_depthwise | bench_graphs_unfused | bench_graphs_low_norms | graph_tests | sweep | \
       default_runs | \
       activation_memory)
       "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (default_runs activation_memory bench_graphs bench_graphs_brain bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled graph_tests bench_m_graphs bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
+    *) echo "$part: unknown part (default_runs activation_memory bench_graphs bench_graphs_brain bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled graph_tests bench_m_graphs bench_m_depthwise bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
       | tee -a "$WORK/parts.txt" ;;
   esac
 done
@@ -320,6 +332,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
 {
   cat "$WORK/parts.txt"
   for md in "$WORK"/bench_graphs/benchmark.md "$WORK"/bench_graphs_unfused/benchmark.md \
+    "$WORK"/bench_graphs_brain/benchmark.md "$WORK"/bench_m_depthwise_*/benchmark.md \
     "$WORK"/bench_graphs_low_norms/benchmark.md \
     "$WORK"/bench_graphs_compiled/benchmark.md \
     "$WORK"/bench_m_graphs/benchmark.md \
@@ -330,7 +343,8 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     "$WORK"/bench_small_eager/benchmark.md; do
     fresh "$md" && { echo "== $md"; cat "$md"; }
   done
-  for profile in "$WORK"/bench_*graphs*/profile_brain_*.txt; do  # kernels, compiled code
+  for profile in "$WORK"/bench_*graphs*/profile_brain_*.txt \
+    "$WORK"/bench_m_depthwise_*/profile_brain_*.txt; do  # kernels, compiled code
     fresh "$profile" && echo "$(basename "$(dirname "$profile")")/$(basename "$profile"):" \
       "$(head -1 "$profile")"
   done

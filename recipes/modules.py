@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from amp_utils.fast_kernels import use_cudnn_depthwise
 from amp_utils.module_precision import apply_fp32_modules, apply_low_precision_norms
 from recipes.augment import build_augment, build_wave_augment
 from recipes.frontend import build_features
@@ -31,7 +32,8 @@ def build_modules(
     ``wave_augment`` (speed, noise) acts on the waveforms before the features,
     ``augment`` (SpecAugment) on the features; both only in training. Inference passes
     ``augment=False``. ``precision.fp32_modules`` pins the named modules to fp32;
-    ``precision.low_precision_norms`` runs the other LayerNorms in the autocast dtype.
+    ``precision.low_precision_norms`` runs the other LayerNorms in the autocast dtype;
+    ``device.cudnn_depthwise`` runs depthwise convolutions channels-last on CUDA.
     """
     modules: dict[str, torch.nn.Module] = {
         "features": build_features(cfg.data),
@@ -47,4 +49,6 @@ def build_modules(
     apply_fp32_modules(modules, list(cfg.precision.get("fp32_modules") or []))
     if cfg.precision.get("low_precision_norms", False):
         apply_low_precision_norms(modules)
+    if cfg.device.get("cudnn_depthwise", False):
+        use_cudnn_depthwise(modules)
     return modules

@@ -91,6 +91,7 @@ class DeviceConfig:
     pin_memory: bool = MISSING  # page-locked host memory for host->GPU copies
     batch_scale: float = MISSING  # multiplies data.max_batch_seconds
     onednn_cache_capacity: int | None = MISSING  # CPU kernels oneDNN keeps (null: its 1024)
+    cudnn_depthwise: bool = MISSING  # CUDA: depthwise convs channels-last, run by cuDNN
 
 
 @dataclass

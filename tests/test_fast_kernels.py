@@ -325,6 +325,87 @@ def test_conformer_fp16_cpu_training_step_finishes_on_the_shapes_that_hung():
     assert result.returncode == 0 and "done" in result.stdout, result.stderr[-2000:]
 
 
+def test_channels_last_depthwise_conv1d_is_torch_s_with_time_major_strides():
+    """``device.cudnn_depthwise``'s layout, checked on a CPU in fp32 (oneDNN's bf16
+    channels-last depthwise kernel hangs on some shapes): values and gradients of
+    ``F.conv1d``, and an output whose ``transpose(1, 2)`` needs no copy."""
+    conv, plain = _depthwise(bias=True)
+    x = torch.randn(2, 9, 6).transpose(1, 2)  # [B, C, T] of a [B, T, C] tensor
+    x_fast, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = fast_kernels.depthwise_conv1d_channels_last(x_fast, conv.weight, conv.bias, 1, 2)
+    expected = plain(x_plain)
+    torch.testing.assert_close(out, expected)
+    assert out.transpose(1, 2).is_contiguous()
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x_fast.grad, x_plain.grad)
+    torch.testing.assert_close(conv.weight.grad, plain.weight.grad)
+    torch.testing.assert_close(conv.bias.grad, plain.bias.grad)
+
+
+def test_cudnn_depthwise_marks_the_conformers_depthwise_convolutions_only():
+    """``device.cudnn_depthwise=true`` reaches every depthwise conv the recipe builds, and
+    nothing else; on a CPU the marked convolutions compute as before."""
+    from recipes.modules import build_modules
+    from tests.recipe_helpers import compose_config
+
+    def marked(modules):
+        return sorted(
+            name
+            for key, root in modules.items()
+            for name, module in root.named_modules(prefix=key)
+            if getattr(module, "cudnn_depthwise", False)
+        )
+
+    cfg = compose_config(["device=cpu", "model.num_layers=2"])
+    assert marked(build_modules(cfg, ("s",))) == []
+    torch.manual_seed(0)
+    modules = build_modules(
+        compose_config(["device=cpu", "model.num_layers=2", "device.cudnn_depthwise=true"]),
+        ("s",),
+    )
+    names = marked(modules)
+    assert len(names) == 2 and all(name.endswith(".depthwise") for name in names)
+    conv, plain = _depthwise()
+    conv.cudnn_depthwise = True
+    x = torch.randn(2, 6, 9)
+    torch.testing.assert_close(conv(x), plain(x))  # a CPU: the CPU path, as unmarked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_depthwise_channels_last_runs_cudnn_not_torchs_kernel(cuda_device, dtype, monkeypatch):
+    """With ``cudnn_depthwise``, a Conformer-M-sized depthwise conv runs no
+    ``conv_depthwise2d`` kernel (PyTorch's own: ~6 ms of a Conformer-M step on the H200),
+    and gives ``nn.Conv1d``'s values and gradients to the dtype's rounding."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    args = {"in_channels": 256, "out_channels": 256, "kernel_size": 31, "padding": 15}
+    conv = fast_kernels.Conv1d(**args, groups=256).to(cuda_device)
+    plain = nn.Conv1d(**args, groups=256).to(cuda_device)
+    plain.load_state_dict(conv.state_dict())
+    conv.cudnn_depthwise = True
+    x = torch.randn(96, 100, 256, device=cuda_device).transpose(1, 2)
+    x_fast, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype != torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with autocast:
+            out = conv(x_fast)
+        out.float().square().sum().backward()
+        torch.cuda.synchronize()
+    kernels = [event.key for event in prof.key_averages()]
+    assert not any("conv_depthwise2d" in key for key in kernels), kernels
+    with autocast:
+        expected = plain(x_plain)
+    expected.float().square().sum().backward()
+    bf16 = dtype == torch.bfloat16
+    tol = {"rtol": 1e-2, "atol": 1e-2} if bf16 else {"rtol": 1e-4, "atol": 1e-4}
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+    torch.testing.assert_close(x_fast.grad, x_plain.grad, **tol)
+    weight_tol = {"rtol": 2e-2, "atol": 2e-1} if bf16 else {"rtol": 1e-4, "atol": 1e-2}
+    torch.testing.assert_close(conv.weight.grad, plain.weight.grad, **weight_tol)
+
+
 @pytest.mark.gpu
 def test_cuda_fp16_convolution_keeps_fp16(cuda_device, monkeypatch):
     seen = _recording(monkeypatch, "conv1d")
