@@ -488,3 +488,29 @@ def test_compiled_code_first_met_in_the_observed_pass_is_compiled_afterwards():
         block(torch.randn(5, 6))
     assert len(calls) == 2, "compiled code no longer runs after the observed pass"
     torch._dynamo.reset()
+
+
+def test_the_asr_ctc_loss_under_a_dispatch_mode_gives_the_kernel_lengths_on_its_device():
+    """Under any dispatch mode (the pass where WeightCasts observes the weights) torch's
+    ``ctc_loss`` calls ``_ctc_loss.Tensor``, whose CUDA kernel wants the lengths on the GPU:
+    the recipe's host lengths failed every bf16/fp16 CUDA run's first step on the 2026-11-27
+    H200. Here ``meta`` stands for the GPU, and the kernel is replaced by a recording."""
+    from recipes.asr.model import ctc_loss
+
+    seen = []
+
+    class KernelLengths(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._ctc_loss.Tensor:
+                log_probs = args[0]
+                seen.append((args[2].device.type, args[3].device.type))
+                batch = log_probs.shape[1]
+                return log_probs.new_zeros(batch), log_probs.new_zeros(log_probs.shape)
+            return func(*args, **(kwargs or {}))
+
+    log_probs = torch.randn(2, 7, 5, device="meta")
+    tokens = torch.ones(2, 3, dtype=torch.long, device="meta")
+    with KernelLengths():
+        # the loss itself, without fwd_default_precision's autocast (none for "meta")
+        ctc_loss.__wrapped__(log_probs, torch.tensor([7, 6]), tokens, torch.tensor([3, 2]))
+    assert seen == [("meta", "meta")]
