@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import AMPConfig, Checkpointer, TorchAutocast, resolve_device
 from amp_utils.precision import check_precision_supported
+from amp_utils.run_results import RESULTS_FILE
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
 from data.errors import AudioError
@@ -102,10 +103,27 @@ class TrainedModel:
 MIN_CLIP_SECONDS = 0.25
 
 
-def load_trained(path: str | Path, device: str = "auto", precision: str = "fp32") -> TrainedModel:
+def tested_precision(run_dir: Path) -> str:
+    """The precision the run's test ran in (``results.json``'s ``eval_precision``, as
+    resolved: ``precision=auto`` gives the one it picked); fp32 for a run without one."""
+    try:
+        recorded = json.loads((run_dir / RESULTS_FILE).read_text()).get("eval_precision")
+    except (OSError, ValueError):
+        recorded = None
+    return recorded if recorded in ("fp32", "fp16", "bf16") else "fp32"
+
+
+def load_trained(
+    path: str | Path, device: str = "auto", precision: str | None = None
+) -> TrainedModel:
     """Rebuild the model of a run folder and load its best checkpoint (or, if the run
-    averaged checkpoints for its test, the same average)."""
+    averaged checkpoints for its test, the same average).
+
+    ``precision`` None: the precision the run was tested in (:func:`tested_precision`), so
+    that labels come out as the run's test figures were computed.
+    """
     run_dir = find_run_dir(path)
+    precision = precision or tested_precision(run_dir)
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     labels_json = json.loads((run_dir / LABELS_FILE).read_text())
     labels = RunLabels.from_config(cfg, labels_json["speakers"], labels_json.get("words", ()))

@@ -2,6 +2,8 @@
 
 python recipes/transcribe.py outputs/fsdd_digits/conformer_ctc/default a.wav b.wav
 python recipes/transcribe.py RUN_DIR a.wav --precision bf16 --device cuda
+
+Without ``--precision`` it labels in the precision the run's test ran in (``results.json``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ from recipes.inference import RunNotFoundError, load_trained
 
 
 def as_transcribe_advice(message: str) -> str:
-    """Rewrite training-style advice (``device=cpu``) into this tool's flags (``--device cpu``)."""
-    return re.sub(r"\b(device|precision)=([\w:]+)", r"--\1 \2", message)
+    """Rewrite training-style advice (``device=cpu``) into this tool's flags (``--device cpu``),
+    and a bad-file message's data-preparation fix into one for a file given here."""
+    message = re.sub(r"\b(device|precision)=([\w:]+)", r"--\1 \2", message)
+    if "data.skip_bad_files" in message:  # written for a dataset's files
+        message = message.split(" Fix:")[0] + " Fix: pass a readable audio file (wav, flac, ...)."
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", help="run folder (or a checkpoint inside it)")
     parser.add_argument("audio", nargs="+", help="audio files (any rate; resampled)")
-    parser.add_argument("--precision", default="fp32", help="fp32 | fp16 | bf16")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help="fp32 | fp16 | bf16 (default: the precision the run was tested in)",
+    )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     args = parser.parse_args(argv)
     try:

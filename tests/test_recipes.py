@@ -660,6 +660,32 @@ def test_transcribe_refuses_a_checkpoint_that_would_run_code(cli_run, fsdd_recor
     assert not marker.exists()
 
 
+def test_transcribe_labels_in_the_precision_the_run_was_tested_in(cli_run, tmp_path):
+    """Without ``--precision``, the run's tested precision (``results.json``), so labels come
+    out as the test figures were computed; it was fp32 whatever the run used."""
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    assert load_trained(run, device="cpu").amp.name == "fp32"
+    results = json.loads((run / "results.json").read_text())
+    (run / "results.json").write_text(json.dumps({**results, "eval_precision": "bf16"}))
+    assert load_trained(run, device="cpu").amp.name == "bf16"
+    assert load_trained(run, device="cpu", precision="fp32").amp.name == "fp32"
+    (run / "results.json").unlink()  # a run that never finished: fp32
+    assert load_trained(run, device="cpu").amp.name == "fp32"
+
+
+def test_transcribe_advice_for_a_bad_file_is_about_the_file_given():
+    """Audio errors are written for a dataset (re-run data preparation, data.skip_bad_files);
+    transcribe's user passed the file."""
+    from data.audio import _bad_file
+    from recipes.transcribe import as_transcribe_advice
+
+    advice = as_transcribe_advice(str(_bad_file(Path("a.wav"), "not audio")))
+    assert advice.startswith("Bad audio file a.wav: not audio.")
+    assert "skip_bad_files" not in advice and "data preparation" not in advice
+    assert "Fix: pass a readable audio file" in advice
+
+
 def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings):
     result = run_cli(
         "transcribe.py", [str(tmp_path), str(fsdd_recordings / "3_theo_0.wav")], fsdd_recordings
