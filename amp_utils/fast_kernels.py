@@ -127,25 +127,32 @@ class _FP32ConvOnCPUFp16:
         return out.to(torch.float16)
 
 
+CUDA_DEPTHWISE = ("torch", "cudnn", "unfold")  # how a CUDA depthwise Conv1d computes
+
+
 class Conv1d(_FP32ConvOnCPUFp16, nn.Conv1d):
     """``nn.Conv1d`` that computes in fp32 on a CPU under fp16, and depthwise in fp32
     channels-last on a CPU in every precision (see the module docstring).
 
-    ``cudnn_depthwise`` (off; :func:`use_cudnn_depthwise` sets it): on CUDA a depthwise one
-    runs channels-last, in its own dtype, through :func:`depthwise_conv1d_channels_last`.
+    ``cuda_depthwise`` (:func:`use_cuda_depthwise` sets it) picks how a depthwise one
+    computes on CUDA: ``torch`` (``nn.Conv1d``'s way), ``cudnn``
+    (:func:`depthwise_conv1d_channels_last`) or ``unfold`` (:func:`depthwise_conv1d_unfold`).
     """
 
-    cudnn_depthwise: bool = False
+    cuda_depthwise: str = "torch"
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Conv1d's argument name)
         """The convolution; a CPU depthwise one through ``depthwise_conv1d``."""
         stride, padding, dilation = self.stride[0], self.padding[0], self.dilation[0]  # type: ignore[index]
         if _depthwise_on_cpu(self, input):
             return depthwise_conv1d(input, self.weight, self.bias, stride, padding, dilation)
-        if self.cudnn_depthwise and input.is_cuda and _depthwise_conv(self, input):
-            return depthwise_conv1d_channels_last(
-                input, self.weight, self.bias, stride, padding, dilation
+        if self.cuda_depthwise != "torch" and input.is_cuda and _depthwise_conv(self, input):
+            conv = (
+                depthwise_conv1d_channels_last
+                if self.cuda_depthwise == "cudnn"
+                else depthwise_conv1d_unfold
             )
+            return conv(input, self.weight, self.bias, stride, padding, dilation)
         return super().forward(input)
 
 
@@ -159,22 +166,24 @@ def _depthwise_conv(conv: nn.Conv1d, input: Tensor) -> bool:  # noqa: A002
     )
 
 
-def use_cudnn_depthwise(modules: Mapping[str, nn.Module] | nn.Module) -> list[str]:
-    """Run every depthwise :class:`Conv1d` of ``modules`` channels-last on CUDA
-    (``device.cudnn_depthwise``). Returns their names.
+def use_cuda_depthwise(modules: Mapping[str, nn.Module] | nn.Module, how: str) -> list[str]:
+    """Compute every depthwise :class:`Conv1d` of ``modules`` on CUDA the way ``how`` says
+    (``device.cuda_depthwise``: one of :data:`CUDA_DEPTHWISE`). Returns their names.
 
     PyTorch sends a depthwise convolution to cuDNN only for fp16 inputs that pass a
     workload heuristic, or for channels-last inputs; fp32 and bf16 ``[B, C, T]`` inputs run
     its own ``conv_depthwise2d`` kernels. On the 2026-11-27 H200 those took ~6 ms of every
-    Conformer-M step (31 taps, 16 blocks), in every precision: 25 % of bf16's GPU time.
-    Nothing changes on a CPU.
+    Conformer-M step (31 taps, 16 blocks; the weight gradient ~4.7 ms), in every precision:
+    25 % of bf16's GPU time. Nothing changes on a CPU.
     """
+    if how not in CUDA_DEPTHWISE:
+        raise ValueError(f"cuda_depthwise={how!r}: choose one of {', '.join(CUDA_DEPTHWISE)}.")
     roots = {"": modules} if isinstance(modules, nn.Module) else dict(modules)
     changed = []
     for root_name, root in roots.items():
         for name, module in root.named_modules():
             if isinstance(module, Conv1d) and module.groups == module.in_channels > 1:
-                module.cudnn_depthwise = True
+                module.cuda_depthwise = how
                 changed.append(".".join(part for part in (root_name, name) if part))
     return changed
 
@@ -205,6 +214,36 @@ def depthwise_conv1d_channels_last(
         groups=input.shape[1],
     )
     return out.squeeze(2)
+
+
+def depthwise_conv1d_unfold(
+    input: Tensor,  # noqa: A002 (F.conv1d's argument name)
+    weight: Tensor,
+    bias: Tensor | None = None,
+    stride: int = 1,
+    padding: int = 0,
+    dilation: int = 1,
+) -> Tensor:
+    """``F.conv1d(..., groups=channels)`` of ``[B, C, T]`` as a sum over sliding windows:
+    time-major (``[B, T, C]``) windows times the ``[C, K]`` taps, summed over the taps.
+
+    Elementwise products and a reduction, so ``torch.compile`` fuses them into its own
+    kernels (forward and both gradients) instead of calling a convolution. Computes in the
+    dtype ``F.conv1d`` would (autocast's, if on; reductions accumulate in fp32) and returns a
+    ``[B, C, T']`` tensor with time-major strides. Eager, it writes ``B x T' x C x K``
+    products: for compiled code.
+    """
+    device = input.device.type
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else input.dtype
+    taps = weight.shape[-1]
+    x = input.transpose(1, 2).to(dtype)  # [B, T, C]
+    x = F.pad(x, (0, 0, padding, padding))
+    windows = x.unfold(1, dilation * (taps - 1) + 1, stride)[..., ::dilation]  # [B, T', C, K]
+    out = (windows * weight.to(dtype).squeeze(1)).sum(-1)  # [B, T', C]
+    if bias is not None:
+        out = out + bias.to(dtype)
+    return out.transpose(1, 2)
 
 
 def _depthwise_on_cpu(conv: nn.Conv1d, input: Tensor) -> bool:  # noqa: A002

@@ -24,7 +24,7 @@
 #                      compiled (on the H100, LayerNorm and casts were most of an eager bf16
 #                      Conformer-M step, and inductor fuses them): fp32, TF32, bf16 x
 #                      bare/brain/staged
-#   bench_m_depthwise  bench_m_graphs' bf16 Brain row without and with device.cudnn_depthwise
+#   bench_m_depthwise  bench_m_graphs' bf16 Brain row with device.cuda_depthwise=torch, cudnn, unfold
 #                      (the Conformer's depthwise convolutions channels-last, run by cuDNN:
 #                      PyTorch's own depthwise kernels took ~6 ms of each step on 2026-11-27)
 #   bench_m            step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
@@ -45,7 +45,7 @@
 # on a GPU yet. So: graph_tests (all should pass; ~130 s), default_runs (fp32 and bf16 as the
 # README runs them; fp32 took 34 s), bench_graphs (bf16's 1.3x target with the fixed casts;
 # 68 s), bench_m_depthwise (cuDNN's depthwise kernels against PyTorch's, ~6 ms of a
-# Conformer-M step; ~120 s), activation_memory, then what the 2026-11-27 lease measured.
+# Conformer-M step; ~180 s), activation_memory, then what the 2026-11-27 lease measured.
 # Next lease (~900 s with the start): command 1 the defaults under DEADLINE 560; command 2
 # with what is left, e.g. PARTS="activation_memory bench_graphs_low_norms" DEADLINE=<left - 60>.
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
@@ -99,7 +99,8 @@ BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader 
 BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
 M_GRAPHS_PRECISIONS=${M_GRAPHS_PRECISIONS:-[fp32,bf16]}  # of bench_m_graphs (fp32 brings TF32 too)
 M_DEPTHWISE_PRECISIONS=${M_DEPTHWISE_PRECISIONS:-[bf16]}  # of bench_m_depthwise (each run: these)
-BENCH_M_DEPTHWISE_LIMIT=${BENCH_M_DEPTHWISE_LIMIT:-90}  # seconds for each of its 2 runs (~60 s: the compile)
+M_DEPTHWISE_WAYS=${M_DEPTHWISE_WAYS:-"torch cudnn unfold"}  # device.cuda_depthwise values, in order
+BENCH_M_DEPTHWISE_LIMIT=${BENCH_M_DEPTHWISE_LIMIT:-90}  # seconds for each of its runs (~60 s: the compile)
 BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-230}  # seconds for bench_m_graphs (3 variants, ~60-95 s each)
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
 BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s on the H200)
@@ -182,13 +183,14 @@ part_bench_m_graphs() {
     benchmark.precisions="$M_GRAPHS_PRECISIONS" benchmark.modes=[bare,brain,staged] \
     benchmark.profile_steps=3
 }
-# bench_m_depthwise: bench_m_graphs' Brain row in M_DEPTHWISE_PRECISIONS, with PyTorch's own
-# depthwise kernels and then with cuDNN's (device.cudnn_depthwise=true): an A/B on one machine
+# bench_m_depthwise: bench_m_graphs' Brain row in M_DEPTHWISE_PRECISIONS with each way of
+# computing the depthwise convolutions (PyTorch's own kernels, cuDNN's, inductor's fused
+# window sums): an A/B/C on one machine
 part_bench_m_depthwise() {
-  local flag
-  for flag in false true; do
-    bench_m_run "bench_m_depthwise_$flag" "$BENCH_M_DEPTHWISE_LIMIT" fast_path=step_graphs \
-      $COMPILED_GRAPHS device.cudnn_depthwise=$flag benchmark.precisions="$M_DEPTHWISE_PRECISIONS" \
+  local how
+  for how in $M_DEPTHWISE_WAYS; do
+    bench_m_run "bench_m_depthwise_$how" "$BENCH_M_DEPTHWISE_LIMIT" fast_path=step_graphs \
+      $COMPILED_GRAPHS device.cuda_depthwise=$how benchmark.precisions="$M_DEPTHWISE_PRECISIONS" \
       benchmark.tf32_baseline=false benchmark.modes=[brain] benchmark.profile_steps=3
   done
 }

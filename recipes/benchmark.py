@@ -86,7 +86,7 @@ def benchmark(cfg: DictConfig) -> list[dict]:
         + (f" ({t.compile_mode}, regions={t.compile_regions})" if t.compile else "")
         + f"; graph_step={t.graph_step}; fused_weight_casts={cfg.precision.fused_weight_casts}"
         + f"; low_precision_norms={cfg.precision.low_precision_norms}"
-        + f"; cudnn_depthwise={cfg.device.cudnn_depthwise}"
+        + f"; cuda_depthwise={cfg.device.cuda_depthwise}"
         + "\n\n"
     )
     rows = run_benchmark(cfg, build, profile_dir=out, build_modules=fresh_modules, on_progress=save)

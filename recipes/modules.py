@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from amp_utils.fast_kernels import use_cudnn_depthwise
+from amp_utils.fast_kernels import use_cuda_depthwise
 from amp_utils.module_precision import apply_fp32_modules, apply_low_precision_norms
 from recipes.augment import build_augment, build_wave_augment
 from recipes.frontend import build_features
@@ -33,7 +33,7 @@ def build_modules(
     ``augment`` (SpecAugment) on the features; both only in training. Inference passes
     ``augment=False``. ``precision.fp32_modules`` pins the named modules to fp32;
     ``precision.low_precision_norms`` runs the other LayerNorms in the autocast dtype;
-    ``device.cudnn_depthwise`` runs depthwise convolutions channels-last on CUDA.
+    ``device.cuda_depthwise`` picks how depthwise convolutions compute on CUDA.
     """
     modules: dict[str, torch.nn.Module] = {
         "features": build_features(cfg.data),
@@ -49,6 +49,6 @@ def build_modules(
     apply_fp32_modules(modules, list(cfg.precision.get("fp32_modules") or []))
     if cfg.precision.get("low_precision_norms", False):
         apply_low_precision_norms(modules)
-    if cfg.device.get("cudnn_depthwise", False):
-        use_cudnn_depthwise(modules)
+    if cfg.device.get("cuda_depthwise", "torch") != "torch":
+        use_cuda_depthwise(modules, str(cfg.device.cuda_depthwise))
     return modules

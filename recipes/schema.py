@@ -26,6 +26,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+class DepthwiseConv(StrEnum):
+    """How a depthwise convolution computes on CUDA (``device.cuda_depthwise``)."""
+
+    torch = "torch"  # PyTorch's choice: its own conv_depthwise2d kernels for fp32/bf16
+    cudnn = "cudnn"  # channels-last, so that PyTorch picks cuDNN's depthwise kernels
+    unfold = "unfold"  # products over sliding windows, summed: fused by torch.compile
+
+
 class Precision(StrEnum):
     """Autocast precision names (a ``str``: ``Precision.fp16 == "fp16"``)."""
 
@@ -91,7 +99,7 @@ class DeviceConfig:
     pin_memory: bool = MISSING  # page-locked host memory for host->GPU copies
     batch_scale: float = MISSING  # multiplies data.max_batch_seconds
     onednn_cache_capacity: int | None = MISSING  # CPU kernels oneDNN keeps (null: its 1024)
-    cudnn_depthwise: bool = MISSING  # CUDA: depthwise convs channels-last, run by cuDNN
+    cuda_depthwise: DepthwiseConv = MISSING  # how depthwise convs compute on CUDA
 
 
 @dataclass

@@ -326,7 +326,7 @@ def test_conformer_fp16_cpu_training_step_finishes_on_the_shapes_that_hung():
 
 
 def test_channels_last_depthwise_conv1d_is_torch_s_with_time_major_strides():
-    """``device.cudnn_depthwise``'s layout, checked on a CPU in fp32 (oneDNN's bf16
+    """``device.cuda_depthwise=cudnn``'s layout, checked on a CPU in fp32 (oneDNN's bf16
     channels-last depthwise kernel hangs on some shapes): values and gradients of
     ``F.conv1d``, and an output whose ``transpose(1, 2)`` needs no copy."""
     conv, plain = _depthwise(bias=True)
@@ -343,47 +343,94 @@ def test_channels_last_depthwise_conv1d_is_torch_s_with_time_major_strides():
     torch.testing.assert_close(conv.bias.grad, plain.bias.grad)
 
 
-def test_cudnn_depthwise_marks_the_conformers_depthwise_convolutions_only():
-    """``device.cudnn_depthwise=true`` reaches every depthwise conv the recipe builds, and
-    nothing else; on a CPU the marked convolutions compute as before."""
+@pytest.mark.parametrize("stride, padding, dilation", [(1, 2, 1), (2, 2, 1), (1, 4, 2), (1, 0, 1)])
+def test_unfolded_depthwise_conv1d_is_torch_s_with_time_major_strides(stride, padding, dilation):
+    """``device.cuda_depthwise=unfold``'s arithmetic, checked on a CPU in fp32: values and
+    gradients of ``F.conv1d`` for strides, paddings and dilations, time-major output."""
+    conv, plain = _depthwise(bias=True, stride=stride, padding=padding, dilation=dilation)
+    x = torch.randn(2, 11, 6).transpose(1, 2)
+    x_fast, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = fast_kernels.depthwise_conv1d_unfold(
+        x_fast, conv.weight, conv.bias, stride, padding, dilation
+    )
+    expected = plain(x_plain)
+    torch.testing.assert_close(out, expected)
+    assert out.transpose(1, 2).is_contiguous()
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x_fast.grad, x_plain.grad)
+    torch.testing.assert_close(conv.weight.grad, plain.weight.grad)
+    torch.testing.assert_close(conv.bias.grad, plain.bias.grad)
+
+
+def test_unfolded_depthwise_conv1d_compiles_as_one_graph():
+    """For inductor to fuse it inside the compiled Conformer blocks, the window sums must
+    trace without a graph break (``fullgraph``), with dynamic lengths."""
+    torch._dynamo.reset()
+    conv, plain = _depthwise(bias=True)
+    compiled = torch.compile(
+        fast_kernels.depthwise_conv1d_unfold, backend="aot_eager", fullgraph=True, dynamic=True
+    )
+    for frames in (9, 13):
+        x = torch.randn(2, frames, 6).transpose(1, 2)
+        torch.testing.assert_close(compiled(x, conv.weight, conv.bias, 1, 2), plain(x))
+    torch._dynamo.reset()
+
+
+def test_unfolded_depthwise_conv1d_computes_in_autocasts_dtype():
+    conv, plain = _depthwise(bias=True)
+    x = torch.randn(2, 6, 9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fast_kernels.depthwise_conv1d_unfold(x, conv.weight, conv.bias, 1, 2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), plain(x), rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_depthwise_marks_the_conformers_depthwise_convolutions_only():
+    """``device.cuda_depthwise`` reaches every depthwise conv the recipe builds, and nothing
+    else; on a CPU the marked convolutions compute as before; a typo names the choices."""
     from recipes.modules import build_modules
     from tests.recipe_helpers import compose_config
 
     def marked(modules):
-        return sorted(
-            name
+        return {
+            name: module.cuda_depthwise
             for key, root in modules.items()
             for name, module in root.named_modules(prefix=key)
-            if getattr(module, "cudnn_depthwise", False)
-        )
+            if getattr(module, "cuda_depthwise", "torch") != "torch"
+        }
 
     cfg = compose_config(["device=cpu", "model.num_layers=2"])
-    assert marked(build_modules(cfg, ("s",))) == []
-    torch.manual_seed(0)
-    modules = build_modules(
-        compose_config(["device=cpu", "model.num_layers=2", "device.cudnn_depthwise=true"]),
-        ("s",),
-    )
-    names = marked(modules)
-    assert len(names) == 2 and all(name.endswith(".depthwise") for name in names)
+    assert marked(build_modules(cfg, ("s",))) == {}
+    for how in ("cudnn", "unfold"):
+        cfg = compose_config(["device=cpu", "model.num_layers=2", f"device.cuda_depthwise={how}"])
+        names = marked(build_modules(cfg, ("s",)))
+        assert len(names) == 2 and set(names.values()) == {how}
+        assert all(name.endswith(".depthwise") for name in names)
     conv, plain = _depthwise()
-    conv.cudnn_depthwise = True
+    conv.cuda_depthwise = "unfold"
     x = torch.randn(2, 6, 9)
     torch.testing.assert_close(conv(x), plain(x))  # a CPU: the CPU path, as unmarked
+    with pytest.raises(Exception) as typo:  # Hydra's, as for every typed choice
+        compose_config(["device=cpu", "device.cuda_depthwise=cudn"])
+    message = f"{typo.value} {typo.value.__cause__}"
+    assert "Invalid value 'cudn', expected one of [torch, cudnn, unfold]" in message
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("how", ["cudnn", "unfold"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_depthwise_channels_last_runs_cudnn_not_torchs_kernel(cuda_device, dtype, monkeypatch):
-    """With ``cudnn_depthwise``, a Conformer-M-sized depthwise conv runs no
+def test_cuda_depthwise_runs_no_torch_depthwise_kernel(cuda_device, dtype, how, monkeypatch):
+    """With ``cuda_depthwise`` cudnn or unfold, a Conformer-M-sized depthwise conv runs no
     ``conv_depthwise2d`` kernel (PyTorch's own: ~6 ms of a Conformer-M step on the H200),
     and gives ``nn.Conv1d``'s values and gradients to the dtype's rounding."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     args = {"in_channels": 256, "out_channels": 256, "kernel_size": 31, "padding": 15}
     conv = fast_kernels.Conv1d(**args, groups=256).to(cuda_device)
     plain = nn.Conv1d(**args, groups=256).to(cuda_device)
     plain.load_state_dict(conv.state_dict())
-    conv.cudnn_depthwise = True
+    conv.cuda_depthwise = how
     x = torch.randn(96, 100, 256, device=cuda_device).transpose(1, 2)
     x_fast, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype != torch.float32)
