@@ -46,8 +46,10 @@
 # README runs them; fp32 took 34 s), bench_graphs (bf16's 1.3x target with the fixed casts;
 # 68 s), bench_m_depthwise (cuDNN's depthwise kernels against PyTorch's, ~6 ms of a
 # Conformer-M step; ~180 s), activation_memory, then what the 2026-11-27 lease measured.
-# Next lease (~900 s with the start): command 1 the defaults under DEADLINE 560; command 2
-# with what is left, e.g. PARTS="activation_memory bench_graphs_low_norms" DEADLINE=<left - 60>.
+# Next lease (~900 s with the start): command 1 the defaults under DEADLINE 560 (graph_tests,
+# default_runs, bench_graphs and part of bench_m_depthwise fit); command 2 with what is left,
+# e.g. PARTS="bench_m_depthwise activation_memory" M_DEPTHWISE_WAYS="<the ways not done>"
+# DEADLINE=<left - 60>.
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
 # every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
 # fp32 from block 1 on, as each block's final LayerNorm outputs fp32; the conv module's
@@ -97,11 +99,11 @@ SWEEP_LIMIT=${SWEEP_LIMIT:-400}    # seconds for the sweep (each run, if not par
 M_MODES=${M_MODES:-[bare,brain,staged,loader,speechbrain,lightning]}  # modes of bench_m
 BENCH_WORKERS=${BENCH_WORKERS:-4}  # device.num_workers behind bench_m's loader rows
 BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
-M_GRAPHS_PRECISIONS=${M_GRAPHS_PRECISIONS:-[fp32,bf16]}  # of bench_m_graphs (fp32 brings TF32 too)
+M_GRAPHS_PRECISIONS=${M_GRAPHS_PRECISIONS:-[fp32,bf16,fp16]}  # of bench_m_graphs (fp32 brings TF32 too)
 M_DEPTHWISE_PRECISIONS=${M_DEPTHWISE_PRECISIONS:-[bf16]}  # of bench_m_depthwise (each run: these)
 M_DEPTHWISE_WAYS=${M_DEPTHWISE_WAYS:-"torch cudnn unfold"}  # device.cuda_depthwise values, in order
 BENCH_M_DEPTHWISE_LIMIT=${BENCH_M_DEPTHWISE_LIMIT:-90}  # seconds for each of its runs (~60 s: the compile)
-BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-230}  # seconds for bench_m_graphs (3 variants, ~60-95 s each)
+BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-290}  # seconds for bench_m_graphs (4 variants, ~45-95 s each; 186 s for 3 on 2026-11-27)
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
 BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s on the H200)
 BENCH_GRAPHS_UNFUSED_LIMIT=${BENCH_GRAPHS_UNFUSED_LIMIT:-45}  # one bf16 row (not measured yet)
