@@ -325,34 +325,18 @@ def test_conformer_fp16_cpu_training_step_finishes_on_the_shapes_that_hung():
     assert result.returncode == 0 and "done" in result.stdout, result.stderr[-2000:]
 
 
-def test_channels_last_depthwise_conv1d_is_torch_s_with_time_major_strides():
-    """``device.cuda_depthwise=cudnn``'s layout, checked on a CPU in fp32 (oneDNN's bf16
-    channels-last depthwise kernel hangs on some shapes): values and gradients of
-    ``F.conv1d``, and an output whose ``transpose(1, 2)`` needs no copy."""
-    conv, plain = _depthwise(bias=True)
-    x = torch.randn(2, 9, 6).transpose(1, 2)  # [B, C, T] of a [B, T, C] tensor
-    x_fast, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = fast_kernels.depthwise_conv1d_channels_last(x_fast, conv.weight, conv.bias, 1, 2)
-    expected = plain(x_plain)
-    torch.testing.assert_close(out, expected)
-    assert out.transpose(1, 2).is_contiguous()
-    out.square().sum().backward()
-    expected.square().sum().backward()
-    torch.testing.assert_close(x_fast.grad, x_plain.grad)
-    torch.testing.assert_close(conv.weight.grad, plain.weight.grad)
-    torch.testing.assert_close(conv.bias.grad, plain.bias.grad)
-
-
+@pytest.mark.parametrize("how", ["channels_last", "unfold"])
 @pytest.mark.parametrize("stride, padding, dilation", [(1, 2, 1), (2, 2, 1), (1, 4, 2), (1, 0, 1)])
-def test_unfolded_depthwise_conv1d_is_torch_s_with_time_major_strides(stride, padding, dilation):
-    """``device.cuda_depthwise=unfold``'s arithmetic, checked on a CPU in fp32: values and
-    gradients of ``F.conv1d`` for strides, paddings and dilations, time-major output."""
+def test_cuda_depthwise_ways_are_torch_s_with_time_major_strides(how, stride, padding, dilation):
+    """``device.cuda_depthwise``'s cudnn (channels-last) and unfold arithmetic, checked on a
+    CPU in fp32 (oneDNN's bf16 channels-last depthwise kernel hangs on some shapes): values
+    and gradients of ``F.conv1d`` for strides, paddings and dilations, and an output whose
+    ``transpose(1, 2)`` needs no copy."""
+    conv_fn = getattr(fast_kernels, f"depthwise_conv1d_{how}")
     conv, plain = _depthwise(bias=True, stride=stride, padding=padding, dilation=dilation)
-    x = torch.randn(2, 11, 6).transpose(1, 2)
+    x = torch.randn(2, 11, 6).transpose(1, 2)  # [B, C, T] of a [B, T, C] tensor
     x_fast, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = fast_kernels.depthwise_conv1d_unfold(
-        x_fast, conv.weight, conv.bias, stride, padding, dilation
-    )
+    out = conv_fn(x_fast, conv.weight, conv.bias, stride, padding, dilation)
     expected = plain(x_plain)
     torch.testing.assert_close(out, expected)
     assert out.transpose(1, 2).is_contiguous()
