@@ -167,7 +167,7 @@ class WaveAugment(torch.nn.Module):
         if self._source_rate == self.sample_rate:
             return wavs, wav_lens
         out = torchaudio.functional.resample(wavs, self._source_rate, self.sample_rate)
-        lens = self.lengths_after(wav_lens).clamp(max=out.shape[-1])
+        lens = self._speed_lengths(wav_lens).clamp(max=out.shape[-1])
         valid = torch.arange(out.shape[-1], device=out.device) < lens.to(out.device).unsqueeze(1)
         return out * valid, lens
 
@@ -202,6 +202,13 @@ class WaveAugment(torch.nn.Module):
         """``wav_lens`` after end cuts keeping ``kept_permille`` of each (at least 1 sample)."""
         return (wav_lens * kept_permille // 1000).clamp(min=1).to(wav_lens.dtype)
 
+    def _speed_lengths(self, wav_lens: torch.Tensor) -> torch.Tensor:
+        """``wav_lens`` after the last batch's speed change alone (not its end cuts)."""
+        if self._source_rate == self.sample_rate:
+            return wav_lens
+        lens = torch.ceil(wav_lens.to(torch.float64) * self.sample_rate / self._source_rate)
+        return lens.to(wav_lens.dtype)
+
     def lengths_after(self, wav_lens: torch.Tensor) -> torch.Tensor:
         """Lengths of waveforms of ``wav_lens`` samples after the last batch's speed change
         and end cuts.
@@ -209,9 +216,7 @@ class WaveAugment(torch.nn.Module):
         For copies of the lengths kept elsewhere (e.g. on the host, to compute CTC lengths
         without waiting for the device).
         """
-        if self._source_rate != self.sample_rate:
-            lens = torch.ceil(wav_lens.to(torch.float64) * self.sample_rate / self._source_rate)
-            wav_lens = lens.to(wav_lens.dtype)
+        wav_lens = self._speed_lengths(wav_lens)
         if self._kept_permille is not None:
             wav_lens = self._cut_lengths(wav_lens, self._kept_permille.to(wav_lens.device))
         return wav_lens

@@ -125,6 +125,21 @@ def test_end_cuts_follow_a_speed_change_in_the_host_lengths() -> None:
     assert all(0.7 * s - 1 <= n <= s for n, s in zip(out_lens.tolist(), sped, strict=True))
 
 
+def test_a_speed_change_ignores_the_previous_batchs_end_cuts() -> None:
+    """perturb_speed computed its lengths with lengths_after, which also applied the
+    previous batch's end cuts: shortened lengths (the CTC loss then saw other lengths than
+    the host's) and, for a batch of another size, a size-mismatch error. The README's
+    speed-perturbation command (with the Conformer's cut_end_prob 0.3) ran into it."""
+    torch.manual_seed(0)
+    aug = WaveAugment(8000, speeds=[1.1], cut_end_prob=1.0, cut_end_max=0.5).train()
+    aug(torch.randn(4, 8000), torch.full((4,), 8000))  # a batch with end cuts
+    _, lens = aug.perturb_speed(torch.randn(4, 8000), torch.full((4,), 8000))
+    assert lens.tolist() == [math.ceil(8000 / 1.1)] * 4
+    wavs, lens = aug(torch.randn(3, 8000), torch.full((3,), 8000))  # another batch size
+    host = aug.lengths_after(torch.full((3,), 8000))
+    assert torch.equal(lens, host) and wavs.shape[0] == 3
+
+
 def test_vtlp_with_factor_one_is_the_identity() -> None:
     feats = torch.randn(3, 20, 40)
     assert torch.equal(vtlp(feats, torch.ones(3)), feats)
