@@ -240,7 +240,9 @@ def _all_reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
         return tensor
     comm = tensor.detach().to(_comm_device(), copy=True)
     dist.all_reduce(comm, op=op)
-    return comm.to(tensor.device, non_blocking=True)
+    # To the host a copy must block: a non-blocking one lands in pinned memory later, and
+    # callers read the sum at once (.tolist(): metric counts, validation rounds).
+    return comm.to(tensor.device, non_blocking=tensor.device.type != "cpu")
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -433,3 +433,26 @@ def test_ending_the_group_frees_ddp_modules_left_in_reference_cycles(monkeypatch
     finally:
         gc.enable()
         destroy_distributed()  # a no-op unless an assertion above failed first
+
+
+def test_a_sum_over_ranks_comes_back_to_the_host_with_a_blocking_copy(monkeypatch):
+    """With nccl a host tensor is summed on the GPU; a non-blocking copy back lands in
+    pinned memory later, while callers read the sum at once (metric counts, validation
+    rounds). Here the collective is a no-op and the copies are recorded."""
+    from amp_utils import distributed
+
+    copies = []
+    real_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        copies.append((args, kwargs.get("non_blocking", False)))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(distributed, "_multi_process", lambda: True)
+    monkeypatch.setattr(distributed, "_comm_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(distributed.dist, "all_reduce", lambda tensor, op=None: None)
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    summed = distributed.all_reduce_sum(torch.tensor([1.0, 2.0]))
+    assert summed.tolist() == [1.0, 2.0]
+    back = copies[-1]
+    assert back[0] == (torch.device("cpu"),) and back[1] is False
