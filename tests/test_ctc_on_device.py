@@ -125,6 +125,29 @@ def test_the_per_frame_update_is_compiled_on_cuda_only() -> None:
     assert alpha_step_for(torch.device("cpu")) is alpha_step
 
 
+def test_the_compile_and_its_trial_wait_for_a_call_outside_dispatch_modes(monkeypatch):
+    """Under a dispatch mode (HostReads' check, WeightCasts' observing step: the first
+    warm-up step of a whole-step graph) compiled code runs eagerly, so the trial compiled
+    nothing and passed, and a compiler failure came a step later, outside the fallback."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from recipes.asr import ctc_on_device
+
+    class AnyMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    trials = []
+    monkeypatch.setattr(ctc_on_device, "_compiled_steps", {})
+    monkeypatch.setattr(ctc_on_device, "compiled_or_eager", lambda device: trials.append(1) or "c")
+    cuda = torch.device("cuda")
+    with AnyMode():
+        assert alpha_step_for(cuda) is alpha_step
+    assert trials == []
+    assert alpha_step_for(cuda) == "c" and alpha_step_for(cuda) == "c"
+    assert trials == [1]
+
+
 def test_an_update_that_does_not_compile_runs_eagerly_with_a_warning(monkeypatch, caplog):
     def broken(fn, **options):
         def run(*args):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_utils.autocast import fwd_default_precision
 
@@ -54,10 +55,20 @@ _compiled_steps: dict[str, AlphaStep] = {}
 
 
 def alpha_step_for(device: torch.device) -> AlphaStep:
-    """:func:`alpha_step`, compiled once per process on CUDA (fused kernels), else eager."""
+    """:func:`alpha_step`, compiled once per process on CUDA (fused kernels), else eager.
+
+    The compile and its trial wait for a call outside any dispatch mode and CUDA-graph
+    capture; until then the eager function serves. Under a mode (a whole-step graph's
+    host-read check, the step where WeightCasts observes the weights) compiled code runs
+    eagerly, so the trial would compile nothing and pass, and the first real compile, a
+    step later, could fail outside the fallback; inside a capture inductor cannot compile.
+    """
     if device.type != "cuda":
         return alpha_step
     if "cuda" not in _compiled_steps:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if _get_current_dispatch_mode() is not None or capturing:
+            return alpha_step
         _compiled_steps["cuda"] = compiled_or_eager(device)
     return _compiled_steps["cuda"]
 
