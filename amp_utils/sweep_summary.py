@@ -325,14 +325,17 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
                 if paired and key[4] != "fp32"
                 else MISSING
             )
-        speeds = [r.throughput.train_utterances_per_s for r in by_seed.values()]
-        speeds = [v for v in speeds if isinstance(v, (int, float))]
-        ref_speeds = [r.throughput.train_utterances_per_s for r in reference.values()]
-        ref_speeds = [v for v in ref_speeds if isinstance(v, (int, float)) and v > 0]
-        row["utt/s mean"] = _format_number(sum(speeds) / len(speeds) if speeds else None)
+        speed = {s: r.throughput.train_utterances_per_s for s, r in by_seed.items()}
+        speed = {s: v for s, v in speed.items() if isinstance(v, (int, float))}
+        ref_speed = {s: r.throughput.train_utterances_per_s for s, r in reference.items()}
+        # seed by seed, as the metrics: only the seeds both precisions ran
+        shared = [
+            s for s in speed if isinstance(ref_speed.get(s), (int, float)) and ref_speed[s] > 0
+        ]
+        row["utt/s mean"] = _format_number(sum(speed.values()) / len(speed) if speed else None)
         row[SPEEDUP_COLUMN] = (
-            f"{(sum(speeds) / len(speeds)) / (sum(ref_speeds) / len(ref_speeds)):.2f}x"
-            if speeds and ref_speeds
+            f"{sum(speed[s] for s in shared) / sum(ref_speed[s] for s in shared):.2f}x"
+            if shared
             else MISSING
         )
         rows.append(row)
