@@ -71,6 +71,14 @@ def test_greedy_decoder_is_the_best_path() -> None:
     assert make_decoder("greedy")(log_probs, lengths) == ["nive"]
 
 
+def test_greedy_transcripts_are_normalised_as_the_references() -> None:
+    """A space emitted twice or at an end is not a character error: references are
+    normalised (single spaces, none at the ends), so the hypotheses are too (they counted
+    as 2 character edits with a WER of 0, and as a wrong utterance with no confusion)."""
+    log_probs, lengths = spell(" seven  two ")
+    assert greedy_transcripts(log_probs, lengths, TOKENIZER) == ["seven two"]
+
+
 def test_a_batch_decodes_each_utterance_to_its_length() -> None:
     a, _ = spell("one")
     b, _ = spell("eight")

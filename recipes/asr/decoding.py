@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from data.text import CharTokenizer, ctc_greedy_decode
+from data.text import CharTokenizer, ctc_greedy_decode, normalize_transcript
 
 #: ``model.decoder`` choices.
 DECODERS = ("greedy", "lexicon")
@@ -37,8 +37,13 @@ class DecoderUnavailableError(RuntimeError):
 def greedy_transcripts(
     log_probs: torch.Tensor, out_lens: torch.Tensor, tokenizer: CharTokenizer
 ) -> list[str]:
-    """Best-path CTC transcripts of ``[B, T, vocab]`` log-probabilities (scoring, inference)."""
-    return [tokenizer.decode(ids) for ids in ctc_greedy_decode(log_probs, out_lens)]
+    """Best-path CTC transcripts of ``[B, T, vocab]`` log-probabilities (scoring, inference),
+    normalised as the references are (single spaces, none at the ends): a space emitted
+    twice or at an end is not a character error, as the lexicon decoder's words show."""
+    return [
+        normalize_transcript(tokenizer.decode(ids))
+        for ids in ctc_greedy_decode(log_probs, out_lens)
+    ]
 
 
 def check_lexicon_decoder_available() -> None:
