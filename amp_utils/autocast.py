@@ -124,6 +124,8 @@ def fwd_default_precision(
             return fwd(*args, **kwargs)
         device_type = _first_tensor_device_type(args, kwargs)
         wrapped = wrapped_by_device.get(device_type)
+        if wrapped is None and not torch.amp.is_autocast_available(device_type):
+            return fwd(*args, **kwargs)  # no autocast there (e.g. "meta"): nothing to undo
         if wrapped is None:  # other backends: their own custom_fwd, made when first seen
             wrapped = wrapped_by_device[device_type] = torch.amp.custom_fwd(
                 fwd, device_type=device_type, cast_inputs=cast_inputs

@@ -140,6 +140,22 @@ def test_a_speed_change_ignores_the_previous_batchs_end_cuts() -> None:
     assert torch.equal(lens, host) and wavs.shape[0] == 3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wave_augmentation_computes_in_fp32_under_autocast(dtype) -> None:
+    """bf16/fp16 runs must augment the same audio as fp32 runs: the resampling convolution
+    and the channel curve's matmul ran in the autocast dtype (~52 dB SNR after a bf16 speed
+    change), so the precision comparison trained on different data."""
+    aug = WaveAugment(SR, speeds=[0.9], channel_prob=1.0, channel_db=6.0).train()
+    wavs, lens = _batch([8000, 6000])
+    torch.manual_seed(3)
+    expected, expected_lens = aug(wavs, lens)
+    torch.manual_seed(3)
+    with torch.autocast("cpu", dtype=dtype):
+        out, out_lens = aug(wavs, lens)
+    assert out.dtype == torch.float32 and torch.equal(out_lens, expected_lens)
+    torch.testing.assert_close(out, expected)
+
+
 def test_vtlp_with_factor_one_is_the_identity() -> None:
     feats = torch.randn(3, 20, 40)
     assert torch.equal(vtlp(feats, torch.ones(3)), feats)
