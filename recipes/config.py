@@ -33,7 +33,7 @@ from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
 from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
-from recipes.frontend import NORMALIZATIONS, build_features
+from recipes.frontend import NORMALIZATIONS, PAD_MODES, build_features
 from recipes.modules import MODULE_KEYS, build_model
 from recipes.schema import OPTION_SCHEMAS, schema_help
 from recipes.tasks import UnknownTaskError, task_for
@@ -459,6 +459,7 @@ def validate_config(cfg: DictConfig) -> None:
         _positive(cfg, key)
     _choice(cfg, "trainer.average_from", AVERAGE_FROM)
     _choice(cfg, "data.features.normalize", NORMALIZATIONS)
+    _choice(cfg, "data.features.pad_mode", PAD_MODES)
     if OmegaConf.select(cfg, "model.decoder") is not None:
         _choice(cfg, "model.decoder", DECODERS)
         _positive(cfg, "model.beam_size", integer=True)

@@ -18,6 +18,10 @@ from amp_utils.autocast import fwd_default_precision
 
 #: How ``LogMelFeatures`` normalises each utterance (``data.features.normalize``).
 NORMALIZATIONS: tuple[str, ...] = ("per_bin", "utterance")
+#: How the centred STFT pads the batch's ends (``data.features.pad_mode``).
+PAD_MODES: tuple[str, ...] = ("constant", "reflect")
+#: What runs from before the option used (torchaudio's default).
+LEGACY_PAD_MODE = "reflect"
 
 
 class LogMelFeatures(torch.nn.Module):
@@ -40,6 +44,11 @@ class LogMelFeatures(torch.nn.Module):
         hop_length: hop in samples (10 ms at 8 kHz).
         n_mels: number of mel bins.
         normalize: ``per_bin`` or ``utterance`` (above).
+        pad_mode: how the centred STFT pads the ends of the padded batch. ``constant``
+            (zeros) gives an utterance the same features alone and in any batch: with
+            ``reflect`` (torchaudio's default) the batch's longest utterance ends on
+            mirrored samples and the others on their zero padding, so one frame (and the
+            normalisation statistics with it) depended on the batch.
     """
 
     def __init__(
@@ -50,6 +59,7 @@ class LogMelFeatures(torch.nn.Module):
         hop_length: int = 80,
         n_mels: int = 40,
         normalize: str = "per_bin",
+        pad_mode: str = "constant",
     ) -> None:
         super().__init__()
         if normalize not in NORMALIZATIONS:
@@ -67,6 +77,7 @@ class LogMelFeatures(torch.nn.Module):
             hop_length=hop_length,
             n_mels=n_mels,
             center=True,
+            pad_mode=pad_mode,
         )
 
     def frame_lengths(self, wav_lens: torch.Tensor) -> torch.Tensor:
@@ -109,4 +120,5 @@ def build_features(data_cfg: DictConfig) -> LogMelFeatures:
         hop_length=f.hop_length,
         n_mels=f.n_mels,
         normalize=f.get("normalize", "per_bin"),
+        pad_mode=f.get("pad_mode", LEGACY_PAD_MODE),  # older runs: as they were trained
     )

@@ -152,6 +152,7 @@ class FeaturesConfig:
     win_length: int = MISSING  # window length (samples)
     hop_length: int = MISSING  # hop length (samples)
     normalize: str = "per_bin"  # per_bin (mean/variance per mel bin) | utterance (one for all bins)
+    pad_mode: str = "constant"  # STFT end padding: constant (batch-independent) | reflect
 
 
 @dataclass

@@ -91,3 +91,40 @@ def test_runs_from_before_the_option_keep_per_bin_normalisation() -> None:
     assert build_features(old).normalize == "per_bin"
     old.features.normalize = "utterance"
     assert build_features(old).normalize == "utterance"
+
+
+def test_an_utterance_has_the_same_features_alone_and_in_any_batch() -> None:
+    """With torchaudio's reflect padding the batch's longest utterance ended on mirrored
+    samples and the others on their zero padding: one frame differed by up to ~1.8 after
+    normalisation (the statistics with it), so test metrics and labels depended on the
+    batch. Constant padding (the default) pads every utterance's end alike."""
+    torch.manual_seed(0)
+    features = LogMelFeatures()
+    short, long = torch.randn(1, 4000), torch.randn(1, 8000)
+    alone, _ = features(short, torch.tensor([4000]))
+    batch = torch.zeros(2, 8000)
+    batch[0, :4000], batch[1] = short[0], long[0]
+    batched, _ = features(batch, torch.tensor([4000, 8000]))
+    torch.testing.assert_close(batched[0, : alone.shape[1]], alone[0], atol=1e-4, rtol=0)
+
+
+def test_runs_from_before_the_pad_mode_keep_reflect_padding() -> None:
+    """A saved config without ``features.pad_mode`` rebuilds the front end it was trained
+    with (reflect); a new config gets constant, and a typo names the choices."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import ConfigError, validate_config
+    from recipes.frontend import build_features
+    from tests.recipe_helpers import compose_config
+
+    old = OmegaConf.create(
+        {
+            "sample_rate": 8000,
+            "features": {"n_mels": 40, "n_fft": 256, "win_length": 200, "hop_length": 80},
+        }
+    )
+    assert build_features(old).mel.spectrogram.pad_mode == "reflect"
+    cfg = compose_config(["device=cpu"])
+    assert build_features(cfg.data).mel.spectrogram.pad_mode == "constant"
+    with pytest.raises(ConfigError, match="data.features.pad_mode='edge'.*constant, reflect"):
+        validate_config(compose_config(["device=cpu", "data.features.pad_mode=edge"]))
