@@ -796,7 +796,9 @@ class Brain:
         self._stage, self._stage_epoch = Stage.TRAIN, epoch  # for the stall warning
         self.on_stage_start(Stage.TRAIN, epoch)
         self.modules.train()
-        self.zero_grad()  # the last epoch's unfinished accumulation window is dropped ...
+        # the last epoch's unfinished accumulation window is dropped (gradients None, as after
+        # a step: a zero gradient would let AdamW move a parameter the next window skips) ...
+        self.zero_grad(set_to_none=True)
         self.amp_step.clear_window()  # ... with its losses' finite flag
         skip = self._resume_step
         self.step = skip

@@ -1053,3 +1053,46 @@ def test_train_step_drives_the_loop_like_fit():
     assert single.avg_train_loss == pytest.approx(by_fit.avg_train_loss)
     for p, q in zip(params_of(by_fit), params_of(single), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_dropped_window_leaves_no_gradient_for_the_next_epoch_to_apply():
+    """An epoch's unfinished accumulation window is dropped with its gradients set to None,
+    as after a step: a zero gradient made AdamW (momentum, weight decay) move a parameter
+    that the next epoch's first window does not use."""
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 8), torch.randn(4, 2), torch.tensor(float(i))) for i in range(1, 8)]
+    uses_b = {3, 7}  # batch 3 is in a stepped window; batch 7 in the dropped one (epoch 1)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+
+        def forward(self, x, use_b):
+            return self.a(x) + (self.b(x) if use_b else 0)
+
+    snapshots = []
+
+    class TwoHeads(Brain):
+        def compute_forward(self, batch, stage):
+            return self.modules.model(batch[0], int(batch[2]) in uses_b and self.epoch == 1)
+
+        def compute_objectives(self, predictions, batch, stage):
+            return torch.nn.functional.mse_loss(predictions, batch[1])
+
+        def on_stage_start(self, stage, epoch=None):
+            self.epoch = epoch
+
+        def on_fit_batch_end(self, batch, outputs, loss, should_step):
+            if should_step:
+                snapshots.append((self.epoch, self.modules.model.b.weight.detach().clone()))
+
+    torch.manual_seed(1)
+    brain = TwoHeads(
+        {"model": Net()},
+        opt_class=lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1),
+        run_opts={"grad_accumulation_factor": 3, "noprogressbar": True, "max_grad_norm": 0},
+    )
+    brain.fit(range(1, 3), data, train_loader_kwargs={"batch_size": None})
+    assert [epoch for epoch, _ in snapshots] == [1, 1, 2, 2]
+    assert torch.equal(snapshots[2][1], snapshots[1][1])  # b unused in epoch 2: unmoved
