@@ -118,8 +118,6 @@ class AMPOptimizerStep:
         window_finite, self._window_finite = self._window_finite, None
         if not optimizers:
             return None
-        for opt in optimizers:
-            self.scaler.unscale_(opt)
         params = [
             p
             for opt in optimizers
@@ -127,9 +125,11 @@ class AMPOptimizerStep:
             for p in group["params"]
             if p.grad is not None
         ]
-        if not params:
-            _zero_grad(optimizers)
+        if not params:  # before unscale_: without the update() that follows it, fp16's
+            _zero_grad(optimizers)  # scaler would refuse the next step's unscale_
             return None
+        for opt in optimizers:
+            self.scaler.unscale_(opt)
         if self.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         else:

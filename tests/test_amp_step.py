@@ -447,3 +447,32 @@ def test_scaler_state_of_the_same_disabled_precision_loads_silently(caplog):
     state = ScalerState(reference_scaler("bf16")).state_dict()
     ScalerState(reference_scaler("fp32")).load_state_dict(state)
     assert caplog.messages == []
+
+
+def test_an_fp16_window_without_parameter_gradients_leaves_the_next_step_working():
+    """A window whose loss reached no parameter: the step returns None without unscaling,
+    so fp16's scaler accepts the next step (unscale_ without update() made it raise
+    "unscale_() has already been called on this optimizer since the last update()")."""
+    from amp_utils.amp_step import AMPOptimizerStep
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = AMPOptimizerStep(torch.amp.GradScaler("cpu"), 1.0, False)
+
+    def window(uses_params: bool) -> None:
+        x = torch.randn(4, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x) if uses_params else x * 2).float().pow(2).mean()
+        step.backward(loss)
+        step.observe_loss(loss)
+
+    window(True)
+    assert step.step([opt]) is not None
+    window(False)
+    assert step.step([opt]) is None
+    window(True)
+    before = model.weight.detach().clone()
+    info = step.step([opt])
+    assert info is not None and not bool(info.skipped)
+    assert not torch.equal(model.weight, before)
