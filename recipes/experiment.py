@@ -84,7 +84,8 @@ def build_brain(
     opts = run_options(cfg)
     modules = build_modules(cfg, data.speakers)
     fused = bool(cfg.trainer.fused_optimizer)  # fused kernels skip bad steps without a sync
-    steps_per_epoch = math.ceil(len(data.train) / cfg.trainer.grad_accumulation_factor)
+    # the Brain drops each epoch's unfinished accumulation window: whole windows only
+    steps_per_epoch = max(1, len(data.train) // cfg.trainer.grad_accumulation_factor)
 
     def opt_class(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
@@ -217,7 +218,7 @@ def log_header(cfg: DictConfig, brain: AudioBrain, data: DataBundle, out_dir: Pa
     opts = brain.run_opts
     epochs = opts.debug_epochs if opts.debug else cfg.trainer.epochs
     batches = min(len(data.train), opts.debug_batches) if opts.debug else len(data.train)
-    steps = math.ceil(batches / opts.grad_accumulation_factor)
+    steps = batches // opts.grad_accumulation_factor  # whole accumulation windows only
     done = brain.optimizer_step
     logger.info(
         "run folder: %s (%s)", out_dir, f"resumed at optimizer step {done}" if done else "new"

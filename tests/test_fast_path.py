@@ -493,3 +493,20 @@ def test_fast_path_trains_the_asr_recipe_on_cuda(fsdd_root, prepared, tmp_path):
     assert results["compile"]["cudagraph_skips"] == 0, results["compile"]
     assert results["optimizer_steps"] > 0 and results["precision"] == "bf16"
     assert all(v == v for v in results["test_metrics"].values())  # no NaN
+
+
+def test_the_lr_schedule_ends_at_the_runs_last_optimizer_step(fsdd_root, prepared, tmp_path):
+    """With gradient accumulation the Brain steps once per whole window (an epoch's
+    unfinished window is dropped): the cosine schedule was sized for a step per started
+    window, so it never reached its end (e.g. 0.357 of the peak instead of 0.05)."""
+    cfg = digits_cfg(
+        fsdd_root, prepared, "trainer.grad_accumulation_factor=3", f"output_dir={tmp_path}"
+    )
+    data = build_data(cfg, torch.device("cpu"))
+    brain = build_brain(cfg, data, None, None)
+    brain.on_fit_start()  # makes the optimizer and its schedule
+    batches = len(data.train)
+    assert batches % 3 != 0  # the case that differs
+    steps = cfg.trainer.epochs * (batches // 3)
+    schedule = brain.lr_scheduler.lr_lambdas[0]
+    assert schedule(steps) == pytest.approx(0.05) and schedule(steps - 1) > 0.05
