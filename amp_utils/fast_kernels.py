@@ -156,11 +156,16 @@ class Conv1d(_FP32ConvOnCPUFp16, nn.Conv1d):
         return super().forward(input)
 
 
+def _is_depthwise(conv: nn.Conv1d) -> bool:
+    """True when ``conv`` has one group per input channel (more than one)."""
+    return conv.groups == conv.in_channels > 1
+
+
 def _depthwise_conv(conv: nn.Conv1d, input: Tensor) -> bool:  # noqa: A002
     """True when ``conv`` is depthwise with zero padding given as a number, on a batch."""
     return (
         input.dim() == 3
-        and conv.groups == conv.in_channels > 1
+        and _is_depthwise(conv)
         and conv.padding_mode == "zeros"
         and not isinstance(conv.padding, str)
     )
@@ -182,7 +187,7 @@ def use_cuda_depthwise(modules: Mapping[str, nn.Module] | nn.Module, how: str) -
     changed = []
     for root_name, root in roots.items():
         for name, module in root.named_modules():
-            if isinstance(module, Conv1d) and module.groups == module.in_channels > 1:
+            if isinstance(module, Conv1d) and _is_depthwise(module):
                 module.cuda_depthwise = how
                 changed.append(".".join(part for part in (root_name, name) if part))
     return changed
@@ -277,17 +282,15 @@ def depthwise_conv1d(
     out_dtype = torch.get_autocast_dtype("cpu") if autocast else input.dtype
     # Autocast off: under CPU autocast, the conv would cast the fp32 inputs straight back down.
     with torch.autocast("cpu", enabled=False):
-        x = input.float().unsqueeze(2).contiguous(memory_format=torch.channels_last)
-        out = F.conv2d(
-            x,
-            weight.float().unsqueeze(2),
+        out = depthwise_conv1d_channels_last(
+            input.float(),
+            weight.float(),
             None if bias is None else bias.float(),
-            stride=(1, stride),
-            padding=(0, padding),
-            dilation=(1, dilation),
-            groups=input.shape[1],
+            stride,
+            padding,
+            dilation,
         )
-    return out.squeeze(2).to(out_dtype)
+    return out.to(out_dtype)
 
 
 class Conv2d(_FP32ConvOnCPUFp16, nn.Conv2d):
