@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from amp_utils import AMPConfig, Checkpointer, TorchAutocast, resolve_device
+from amp_utils import PRECISIONS, AMPConfig, Checkpointer, TorchAutocast, resolve_device
 from amp_utils.precision import check_precision_supported
-from amp_utils.run_results import RESULTS_FILE
+from amp_utils.run_results import RESULTS_FILE, RunResults
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
 from data.errors import AudioError
@@ -107,10 +107,10 @@ def tested_precision(run_dir: Path) -> str:
     """The precision the run's test ran in (``results.json``'s ``eval_precision``, as
     resolved: ``precision=auto`` gives the one it picked); fp32 for a run without one."""
     try:
-        recorded = json.loads((run_dir / RESULTS_FILE).read_text()).get("eval_precision")
+        recorded = RunResults.read(run_dir / RESULTS_FILE).eval_precision
     except (OSError, ValueError):
         recorded = None
-    return recorded if recorded in ("fp32", "fp16", "bf16") else "fp32"
+    return recorded if recorded in PRECISIONS else "fp32"
 
 
 def load_trained(
