@@ -311,16 +311,18 @@ part_sweep() {
   fi
 }
 
+# the parts are the part_* functions above (sweep_<p>: part_sweep_alone for one precision)
+PART_NAMES=$(declare -F | sed -n 's/^declare -f part_//p' | grep -vx sweep_alone | tr '\n' ' ')
 for part in $PARTS; do
   case $part in
-    bench_m | bench_m_graphs | bench_small | bench_small_eager | bench_graphs | gpu_tests | \
-      bench_graphs_compiled | bench_graphs_brain | bench_m_depthwise | bench_graphs_unfused | bench_graphs_low_norms | graph_tests | sweep | \
-      default_runs | \
-      activation_memory)
-      "part_$part" ;;
     sweep_*) part_sweep_alone "${part#sweep_}" ;;
-    *) echo "$part: unknown part (default_runs activation_memory bench_graphs bench_graphs_brain bench_graphs_unfused bench_graphs_low_norms bench_graphs_compiled graph_tests bench_m_graphs bench_m_depthwise bench_m bench_small bench_small_eager gpu_tests sweep sweep_<p>)" \
-      | tee -a "$WORK/parts.txt" ;;
+    *)
+      if [[ " $PART_NAMES " == *" $part "* ]]; then
+        "part_$part"
+      else
+        echo "$part: unknown part (${PART_NAMES}sweep_<p>)" | tee -a "$WORK/parts.txt"
+      fi
+      ;;
   esac
 done
 for sweep_dir in "$WORK/sweep_gpu_asr" "$WORK/default_runs"; do  # a cut sweep: what finished
