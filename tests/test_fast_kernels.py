@@ -271,6 +271,7 @@ def test_cpu_depthwise_conv1d_gradients_are_torch_s():
         ({"groups": 2, "out_channels": 4}, (2, 6, 9)),  # grouped, not depthwise
         ({"padding": "same"}, (2, 6, 9)),  # string padding
         ({"padding_mode": "reflect"}, (2, 6, 9)),
+        ({"in_channels": 1, "out_channels": 1, "groups": 1}, (2, 1, 9)),  # one channel
         ({}, (6, 9)),  # unbatched input
     ],
 )
