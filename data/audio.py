@@ -22,17 +22,20 @@ _SKIP_HINT = "or set data.skip_bad_files=true to skip bad files"
 
 
 def _bad_file(path: Path, problem: str) -> AudioError:
+    what = f"Bad audio file {path}: {problem}"
     return AudioError(
-        f"Bad audio file {path}: {problem}. Fix: replace or remove the file and re-run data "
-        f"preparation, {_SKIP_HINT}."
+        f"{what}. Fix: replace or remove the file and re-run data preparation, {_SKIP_HINT}.",
+        problem=what,
     )
 
 
 def _check_exists(path: Path) -> None:
     if not path.is_file():
+        what = f"Audio file not found: {path}"
         raise AudioError(
-            f"Audio file not found: {path}. Fix: re-run data preparation or check data.root "
-            f"if the data was moved, {_SKIP_HINT}."
+            f"{what}. Fix: re-run data preparation or check data.root if the data was moved, "
+            f"{_SKIP_HINT}.",
+            problem=what,
         )
     if path.stat().st_size == 0:
         raise _bad_file(path, "the file is empty (0 bytes)")

@@ -11,7 +11,16 @@ class DataError(ValueError):
 
 
 class AudioError(DataError):
-    """An audio file is missing, empty, truncated or cannot be decoded."""
+    """An audio file is missing, empty, truncated or cannot be decoded.
+
+    ``problem`` is the message without its fix (``"Bad audio file a.wav: ..."``), so a tool
+    that was given the file itself (``transcribe.py``) can give its own fix instead of the
+    dataset's (re-run data preparation, ``data.skip_bad_files``).
+    """
+
+    def __init__(self, message: str, *, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.problem = problem
 
 
 class ManifestError(DataError):

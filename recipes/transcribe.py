@@ -13,17 +13,17 @@ import re
 import sys
 
 from amp_utils import CheckpointError, DeviceNotAvailableError, PrecisionNotSupportedError
-from data.errors import DataError
+from data.errors import AudioError, DataError
 from recipes.inference import RunNotFoundError, load_trained
 
 
-def as_transcribe_advice(message: str) -> str:
-    """Rewrite training-style advice (``device=cpu``) into this tool's flags (``--device cpu``),
-    and a bad-file message's data-preparation fix into one for a file given here."""
-    message = re.sub(r"\b(device|precision)=([\w:]+)", r"--\1 \2", message)
-    if "data.skip_bad_files" in message:  # written for a dataset's files
-        message = message.split(" Fix:")[0] + " Fix: pass a readable audio file (wav, flac, ...)."
-    return message
+def as_transcribe_advice(err: Exception) -> str:
+    """``err``'s message with training-style advice (``device=cpu``) in this tool's flags
+    (``--device cpu``), and a bad audio file's fix (written for a dataset's files: data
+    preparation, ``data.skip_bad_files``) replaced by one for a file given here."""
+    if isinstance(err, AudioError) and err.problem:
+        return f"{err.problem}. Fix: pass a readable audio file (wav, flac, ...)."
+    return re.sub(r"\b(device|precision)=([\w:]+)", r"--\1 \2", str(err))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         DeviceNotAvailableError,
         ValueError,
     ) as err:
-        print(f"error: {as_transcribe_advice(str(err))}", file=sys.stderr)
+        print(f"error: {as_transcribe_advice(err)}", file=sys.stderr)
         return 2
     for path, label in zip(args.audio, labels, strict=True):
         print(f"{path}\t{label}")
