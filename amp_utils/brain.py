@@ -768,9 +768,18 @@ class Brain:
         reset_peak_memory(self.device)
         with self.stop_signals, self.stall_watchdog:
             for epochs_run, epoch in enumerate(epoch_counter, start=1):
+                # Debug mode runs debug_epochs epochs. An EpochCounter numbers them from the
+                # run's start, so a resumed debug run ends where the uninterrupted one does
+                # (counting this call's epochs, it trained debug_epochs more); other
+                # iterables (range(n)) count this call's epochs.
+                counted = isinstance(epoch_counter, EpochCounter)
+                debug_epoch = epoch if counted else epochs_run
+                if self.run_opts.debug and debug_epoch > self.run_opts.debug_epochs:
+                    epoch_counter.current = epoch - 1  # type: ignore[union-attr] (did not run)
+                    break
                 self._fit_train(train_set, epoch, enable)
                 self._fit_valid(valid_set, epoch, enable)
-                if self.run_opts.debug and epochs_run >= self.run_opts.debug_epochs:
+                if self.run_opts.debug and debug_epoch >= self.run_opts.debug_epochs:
                     break
 
     def epoch_label(self, epoch: int | None) -> str:

@@ -51,7 +51,14 @@ from recipes.data_setup import DataBundle, build_data
 from recipes.error_report import TEST_ERRORS_FILE, error_report, find_collapse
 from recipes.modules import build_modules
 from recipes.preflight import preflight, run_options
-from recipes.run_folder import LABELS_FILE, RunFolder, finished_message, finished_results
+from recipes.run_folder import (
+    LABELS_FILE,
+    RunFolder,
+    epochs_key,
+    finished_message,
+    finished_results,
+    planned_epochs,
+)
 from recipes.task import RunLabels
 from recipes.tasks import task_for
 
@@ -216,7 +223,7 @@ def log_header(cfg: DictConfig, brain: AudioBrain, data: DataBundle, out_dir: Pa
     source = record.get("root") or ", ".join(record.get("manifests", {}).values())
     params = sum(p.numel() for p in brain.modules.model.parameters())
     opts = brain.run_opts
-    epochs = opts.debug_epochs if opts.debug else cfg.trainer.epochs
+    epochs = planned_epochs(cfg.trainer)
     batches = min(len(data.train), opts.debug_batches) if opts.debug else len(data.train)
     steps = batches // opts.grad_accumulation_factor  # whole accumulation windows only
     done = brain.optimizer_step
@@ -284,11 +291,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     start = time.time()
     preflight(cfg)
-    finished = finished_results(Path(cfg.output_dir), int(cfg.trainer.epochs))
+    finished = finished_results(Path(cfg.output_dir), planned_epochs(cfg.trainer))
     if finished is not None:
         # To the console only: in a sweep the job's log file is open, and a finished run's
         # files stay byte-identical.
-        print(finished_message(Path(cfg.output_dir), finished), flush=True)
+        print(finished_message(Path(cfg.output_dir), finished, epochs_key(cfg.trainer)), flush=True)
         return finished.to_dict()
     folder = RunFolder(Path(cfg.output_dir))
     try:

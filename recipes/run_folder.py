@@ -43,8 +43,22 @@ LABELS_FILE = "labels.json"  # the task and its speaker names, for inference
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"  # the config with every interpolation resolved
 
 
+def planned_epochs(trainer: Any) -> int:
+    """The epochs a run trains: ``trainer.epochs``, or in debug mode (``trainer.debug``)
+    the first ``trainer.debug_epochs`` of them."""
+    epochs = int(trainer.epochs)
+    return min(epochs, int(trainer.debug_epochs)) if trainer.debug else epochs
+
+
+def epochs_key(trainer: Any) -> str:
+    """The option that sets ``planned_epochs``: what to raise to train a run further."""
+    short_debug = trainer.debug and int(trainer.debug_epochs) < int(trainer.epochs)
+    return "trainer.debug_epochs" if short_debug else "trainer.epochs"
+
+
 def finished_results(run_dir: Path, epochs: int) -> RunResults | None:
-    """The results of a run in ``run_dir`` that finished ``epochs`` epochs, else None.
+    """The results of a run in ``run_dir`` that finished ``epochs`` epochs (its
+    ``planned_epochs``), else None.
 
     A run has finished when its ``results.json`` says it completed at least ``epochs``
     epochs; with more epochs requested, the run is extended instead.
@@ -59,8 +73,9 @@ def finished_results(run_dir: Path, epochs: int) -> RunResults | None:
     return results
 
 
-def finished_message(run_dir: Path, results: RunResults) -> str:
-    """One line: the run has finished, where its results are, how to train it further."""
+def finished_message(run_dir: Path, results: RunResults, key: str = "trainer.epochs") -> str:
+    """One line: the run has finished, where its results are, how to train it further
+    (raise ``key``: see ``epochs_key``)."""
     from recipes.audio_brain import format_metrics
 
     metrics = format_metrics(results.test_metrics)
@@ -68,7 +83,7 @@ def finished_message(run_dir: Path, results: RunResults) -> str:
     return (
         f"This run has finished its {completed} epochs already (test: {metrics}); its "
         f"results are in {run_dir / RESULTS_FILE}. Nothing was changed. To train it "
-        f"further, raise trainer.epochs (e.g. trainer.epochs={completed + 1 if completed else 1})."
+        f"further, raise {key} (e.g. {key}={completed + 1 if completed else 1})."
     )
 
 
@@ -125,9 +140,9 @@ class RunFolderCallback(Callback):
             preflight(task_cfg)
         except USER_ERRORS as err:
             sys.exit(f"error: {err}")
-        results = finished_results(run_dir, int(task_cfg.trainer.epochs))
+        results = finished_results(run_dir, planned_epochs(task_cfg.trainer))
         if results is not None:
-            print(finished_message(run_dir, results))
+            print(finished_message(run_dir, results, epochs_key(task_cfg.trainer)))
             sys.exit(0)
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.runtime.output_dir = str(run_dir)  # run_job sets the same value

@@ -341,6 +341,36 @@ def test_debug_mode_limits_batches_and_epochs():
     assert brain.step == 0
 
 
+def test_a_resumed_debug_run_ends_where_the_uninterrupted_one_does():
+    """Debug mode with an EpochCounter runs its epochs 1..debug_epochs. It counted the
+    epochs of each fit call: a debug run resumed in epoch 2 trained epochs 2 and 3, and one
+    resumed after its last epoch trained two more (a rerun rewrote a finished run)."""
+    from amp_utils.epoch_counter import EpochCounter
+
+    def fit(counter: EpochCounter) -> list[int]:
+        class Counting(RegressionBrain):
+            def on_stage_start(self, stage, epoch=None):
+                if stage == Stage.TRAIN:
+                    epochs.append(epoch)
+
+        epochs: list[int] = []
+        brain = Counting(
+            {"model": make_model()},
+            sgd(),
+            run_opts=run_opts(debug=True, debug_batches=2, debug_epochs=2),
+        )
+        brain.fit(counter, DataLoader(make_data(64), batch_size=4))
+        return epochs
+
+    assert fit(EpochCounter(10)) == [1, 2]
+    again = EpochCounter(10)
+    again.current = 1  # killed in epoch 2 (a mid-epoch checkpoint's counter, set back by one)
+    assert fit(again) == [2] and again.current == 2
+    finished = EpochCounter(10)
+    finished.current = 2
+    assert fit(finished) == [] and finished.current == 2
+
+
 def test_compile_wraps_selected_modules():
     brain = RegressionBrain(
         {"model": make_model(), "other": torch.nn.Linear(2, 2)},

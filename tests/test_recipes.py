@@ -364,14 +364,21 @@ def test_results_describe_the_whole_run_over_sessions(
     assert second["peak_memory_mb"] >= first["peak_memory_mb"] > 300
 
 
+@pytest.mark.parametrize("epochs", ["trainer.epochs=2", "trainer.epochs=30"])
 def test_in_process_rerun_of_a_finished_run_returns_its_results(
-    tmp_path, fsdd_root, prepared_digits
+    tmp_path, fsdd_root, prepared_digits, epochs, capsys
 ):
-    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.epochs=2")
+    """A debug run finishes after its debug_epochs (2) whatever trainer.epochs says: with
+    more epochs configured (30, the default), a rerun trained two more and rewrote it."""
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, epochs)
     first = train(cfg)
+    assert first["epochs_completed"] == 2
     before = snapshot(tmp_path / "run")
+    capsys.readouterr()
     assert train(cfg) == json.loads(json.dumps(first))
     assert snapshot(tmp_path / "run") == before
+    key = "trainer.epochs" if epochs == "trainer.epochs=2" else "trainer.debug_epochs"
+    assert f"To train it further, raise {key} (e.g. {key}=3)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
