@@ -230,7 +230,8 @@ def depthwise_conv1d_unfold(
     dilation: int = 1,
 ) -> Tensor:
     """``F.conv1d(..., groups=channels)`` of ``[B, C, T]`` as a sum over sliding windows:
-    time-major (``[B, T, C]``) windows times the ``[C, K]`` taps, summed over the taps.
+    time-major (``[B, T, C]``) windows times each channel's ``M`` filters of ``K`` taps
+    (``weight`` is ``[C * M, 1, K]``; ``M`` is 1 for the Conformer's), summed over the taps.
 
     Elementwise products and a reduction, so ``torch.compile`` fuses them into its own
     kernels (forward and both gradients) instead of calling a convolution. Computes in the
@@ -241,11 +242,12 @@ def depthwise_conv1d_unfold(
     device = input.device.type
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else input.dtype
-    taps = weight.shape[-1]
+    channels, taps = input.shape[1], weight.shape[-1]
     x = input.transpose(1, 2).to(dtype)  # [B, T, C]
     x = F.pad(x, (0, 0, padding, padding))
     windows = x.unfold(1, dilation * (taps - 1) + 1, stride)[..., ::dilation]  # [B, T', C, K]
-    out = (windows * weight.to(dtype).squeeze(1)).sum(-1)  # [B, T', C]
+    filters = weight.to(dtype).view(channels, -1, taps)  # [C, M, K]: F.conv1d's channel order
+    out = (windows.unsqueeze(3) * filters).sum(-1).flatten(2)  # [B, T', C * M]
     if bias is not None:
         out = out + bias.to(dtype)
     return out.transpose(1, 2)

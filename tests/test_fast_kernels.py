@@ -327,14 +327,22 @@ def test_conformer_fp16_cpu_training_step_finishes_on_the_shapes_that_hung():
 
 
 @pytest.mark.parametrize("how", ["channels_last", "unfold"])
-@pytest.mark.parametrize("stride, padding, dilation", [(1, 2, 1), (2, 2, 1), (1, 4, 2), (1, 0, 1)])
-def test_cuda_depthwise_ways_are_torch_s_with_time_major_strides(how, stride, padding, dilation):
+@pytest.mark.parametrize(
+    "stride, padding, dilation, multiplier",
+    [(1, 2, 1, 1), (2, 2, 1, 1), (1, 4, 2, 1), (1, 0, 1, 1), (1, 2, 1, 3), (2, 1, 2, 2)],
+)
+def test_cuda_depthwise_ways_are_torch_s_with_time_major_strides(
+    how, stride, padding, dilation, multiplier
+):
     """``device.cuda_depthwise``'s cudnn (channels-last) and unfold arithmetic, checked on a
     CPU in fp32 (oneDNN's bf16 channels-last depthwise kernel hangs on some shapes): values
-    and gradients of ``F.conv1d`` for strides, paddings and dilations, and an output whose
+    and gradients of ``F.conv1d`` for strides, paddings, dilations and several filters per
+    channel (``Conv1d(C, M * C, groups=C)``: unfold refused them), and an output whose
     ``transpose(1, 2)`` needs no copy."""
     conv_fn = getattr(fast_kernels, f"depthwise_conv1d_{how}")
-    conv, plain = _depthwise(bias=True, stride=stride, padding=padding, dilation=dilation)
+    conv, plain = _depthwise(
+        bias=True, stride=stride, padding=padding, dilation=dilation, out_channels=6 * multiplier
+    )
     x = torch.randn(2, 11, 6).transpose(1, 2)  # [B, C, T] of a [B, T, C] tensor
     x_fast, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = conv_fn(x_fast, conv.weight, conv.bias, stride, padding, dilation)
