@@ -620,10 +620,13 @@ class Brain:
         """``fit_batch`` through the step graphs; None when a capture failed (the caller
         then trains on this batch as usual, and so does every later step)."""
         assert self._step_graphs is not None and self._capturable is not None
+        # The batch goes into its graph's inputs while the previous step still runs: the
+        # flush then waits for that step, and the GPU idles only for the LR and the launch.
+        prepared = self._step_graphs.prepare(self.graph_input(batch))
         self.flush_pending()  # the previous step's values (and the LR schedule) are read
         self._capturable.refresh()
         try:
-            outputs, loss, step_info, scale = self._step_graphs(self.graph_input(batch))
+            outputs, loss, step_info, scale = self._step_graphs.run(prepared)
         except CaptureFailed as err:
             logger.warning(
                 "trainer.graph_step: the training step could not be captured as a CUDA graph "

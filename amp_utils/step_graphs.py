@@ -78,10 +78,18 @@ def clone_tensors(value: Any) -> Any:
     return value
 
 
+#: Leaves that hold no tensor, answered before the container checks: a batch's lists of
+#: utterance ids and transcripts made the walk cost ~2 us per string (the ``Mapping`` check
+#: is an ABC's), ~0.3 ms a step for 100 utterances, spent while the GPU waited.
+_ATOMS = (str, bytes, int, float, bool, type(None))
+
+
 def tensor_leaves(value: Any) -> list[torch.Tensor]:
     """The tensors inside ``value`` (tuples, lists, dicts, dataclasses), in a fixed order."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, _ATOMS):
+        return []
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensor_leaves(v)]
     if isinstance(value, Mapping):
@@ -94,6 +102,15 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
 def shape_key(batch: Any) -> tuple[tuple[tuple[int, ...], torch.dtype, str], ...]:
     """What makes two batches need different graphs: each tensor's shape, dtype and device."""
     return tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tensor_leaves(batch))
+
+
+@dataclass
+class PreparedStep:
+    """A batch made ready by :meth:`StepGraphs.prepare` for :meth:`StepGraphs.run`."""
+
+    batch: Any
+    key: Hashable  # its shape
+    copied: bool  # already in its captured shape's static inputs
 
 
 @dataclass
@@ -148,10 +165,32 @@ class StepGraphs:
 
     def __call__(self, batch: Any) -> Any:
         """One training step on ``batch``; returns the body's outputs (copies: keep them)."""
+        return self.run(self.prepare(batch))
+
+    def prepare(self, batch: Any) -> PreparedStep:
+        """Work on ``batch`` that may come before the previous step has finished: its shape
+        key and, for a captured shape, the copies into the graph's static inputs.
+
+        The copies queue on the stream behind the step in flight (they never overtake its
+        reads of the same inputs). A caller that waits for that step before :meth:`run`
+        (the Brain reads its loss and sets the next learning rate) prepares first, so this
+        host work overlaps the GPU's instead of following it: the GPU then idles only for
+        the launch.
+        """
         key = self.key(batch)
         captured = self.graphs.get(key)
         if captured is not None:
             self.copy_into(captured.static_batch, batch)
+        return PreparedStep(batch, key, copied=captured is not None)
+
+    def run(self, prepared: PreparedStep) -> Any:
+        """The training step on a batch from :meth:`prepare`: a replay of its shape's graph,
+        or a warm-up, capture or eager step; returns the body's outputs (copies: keep them)."""
+        batch, key = prepared.batch, prepared.key
+        captured = self.graphs.get(key)
+        if captured is not None:
+            if not prepared.copied:
+                self.copy_into(captured.static_batch, batch)
             captured.graph.replay()
             self.replays += 1
             return clone_tensors(captured.outputs)
