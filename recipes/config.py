@@ -311,7 +311,8 @@ def _check_augmentation(data_cfg: DictConfig) -> dict[str, torch.nn.Module]:
 
 def _check_graph_step(cfg: DictConfig) -> None:
     """``trainer.graph_step`` captures the step of each batch shape: the shapes must be few
-    (``data.pad_to_buckets``), and torch.compile's own CUDA graphs cannot run inside it."""
+    (``data.pad_to_buckets``), torch.compile's own CUDA graphs cannot run inside it, and
+    compiled code must have compiled before it (a second warm-up step)."""
     trainer = cfg.trainer
     if trainer.graph_step and not cfg.data.pad_to_buckets:
         raise ConfigError(
@@ -325,6 +326,14 @@ def _check_graph_step(cfg: DictConfig) -> None:
             f"trainer.compile_mode={trainer.compile_mode} replays CUDA graphs of its own, which "
             "cannot run inside that capture. Use trainer.compile_mode=default, "
             "trainer.compile=false, or trainer.graph_step=false (fast_path=cuda_graphs)."
+        )
+    if trainer.graph_step and trainer.compile and trainer.graph_step_warmup < 2:
+        raise ConfigError(
+            f"trainer.graph_step_warmup={trainer.graph_step_warmup} with trainer.compile=true: "
+            "compiled code runs eagerly in each batch shape's first warm-up step (the check "
+            "for host reads), so it would compile during the capture, which inductor cannot "
+            "do; the first capture fails and the whole run trains without CUDA graphs. Use "
+            "trainer.graph_step_warmup=2 (the default) or more."
         )
 
 

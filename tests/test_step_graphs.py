@@ -651,6 +651,18 @@ def test_graph_step_with_compiled_cuda_graphs_is_a_config_error(fsdd_root) -> No
         validate_config(cfg)
 
 
+def test_one_warm_up_step_before_capturing_compiled_code_is_a_config_error() -> None:
+    """With one warm-up step (the host-read check, where compiled code runs eagerly) the
+    compiled blocks would compile inside the capture: it fails, and the whole run trains
+    without graphs. Refused before any work, naming the default; without compile it runs."""
+    graphed = ["fast_path=step_graphs", "trainer.graph_step_warmup=1"]
+    cfg = compose_config([*FAST, *graphed, "trainer.compile=true"])
+    with pytest.raises(ConfigError, match=r"graph_step_warmup=1 with trainer.compile=true.*=2"):
+        validate_config(cfg)
+    validate_config(compose_config([*FAST, *graphed]))
+    validate_config(compose_config([*FAST, *graphed[:1], "trainer.compile=true"]))
+
+
 def test_graph_step_without_fixed_batch_shapes_is_a_config_error() -> None:
     cfg = compose_config([*FAST, "trainer.graph_step=true"])
     with pytest.raises(ConfigError, match="data.pad_to_buckets=true"):
