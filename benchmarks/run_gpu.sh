@@ -27,6 +27,8 @@
 #   bench_m_depthwise  bench_m_graphs' bf16 Brain row with device.cuda_depthwise=torch, cudnn, unfold
 #                      (the Conformer's depthwise convolutions channels-last, run by cuDNN:
 #                      PyTorch's own depthwise kernels took ~6 ms of each step on 2026-11-27)
+#   bench_peers        bench_graphs' bf16 Brain row against SpeechBrain's Brain and Lightning's
+#                      Trainer in bf16 on the same model and batches (ours >= 1.3x theirs?)
 #   bench_m            step benchmark of experiment=gpu_asr (Conformer-M, 25.6 M parameters):
 #                      fp32, fp32+TF32, bf16, fp16 x bare/brain/staged/loader, peers in bf16
 #   activation_memory  recipes/diagnose.py on experiment=gpu_asr in bf16 with the sweep's
@@ -109,6 +111,7 @@ BENCH_GRAPHS_LIMIT=${BENCH_GRAPHS_LIMIT:-100}  # seconds for bench_graphs (72 s 
 BENCH_GRAPHS_UNFUSED_LIMIT=${BENCH_GRAPHS_UNFUSED_LIMIT:-45}  # one bf16 row (not measured yet)
 BENCH_GRAPHS_BRAIN_LIMIT=${BENCH_GRAPHS_BRAIN_LIMIT:-60}  # fp32 and bf16 Brain rows (~25 s each)
 BENCH_GRAPHS_LOW_NORMS_LIMIT=${BENCH_GRAPHS_LOW_NORMS_LIMIT:-45}  # one bf16 row (not measured yet)
+BENCH_PEERS_LIMIT=${BENCH_PEERS_LIMIT:-90}  # our bf16 Brain row and the two peers' (not measured yet)
 BENCH_GRAPHS_COMPILED_LIMIT=${BENCH_GRAPHS_COMPILED_LIMIT:-140}  # fp32 and bf16, ~65 s each (compile)
 GRAPH_TESTS_LIMIT=${GRAPH_TESTS_LIMIT:-160}    # seconds for graph_tests (96 s before its compiled-blocks test)
 GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
@@ -124,7 +127,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"graph_tests default_runs bench_graphs bench_m_depthwise activation_memory bench_graphs_low_norms bench_graphs_unfused bench_m_graphs bench_graphs_compiled bench_m gpu_tests sweep bench_small"}
+PARTS=${PARTS:-"graph_tests default_runs bench_graphs bench_m_depthwise bench_peers activation_memory bench_graphs_low_norms bench_graphs_unfused bench_m_graphs bench_graphs_compiled bench_m gpu_tests sweep bench_small"}
 mkdir -p "$OUT" "$WORK"
 # A second command on the same warm machine shares $WORK (sweeps resume from their
 # checkpoints there): its summary lists only what this command wrote (newer than STAMP).
@@ -225,6 +228,13 @@ part_bench_graphs_compiled() {
   bench_small_run bench_graphs_compiled "$BENCH_GRAPHS_COMPILED_LIMIT" fast_path=step_graphs \
     $COMPILED_GRAPHS benchmark.precisions=[fp32,bf16] benchmark.modes="$SMALL_MODES" \
     benchmark.profile_steps=3
+}
+# bench_peers: our bf16 Brain step (whole-step graphs) against SpeechBrain's Brain and
+# Lightning's Trainer in bf16 on the same small model, batches and optimizer (issue #10's
+# "ours >= 1.3x the peers' bf16"; never measured on a GPU: bench_m's peers were cut)
+part_bench_peers() {
+  bench_small_run bench_peers "$BENCH_PEERS_LIMIT" fast_path=step_graphs \
+    benchmark.precisions=[bf16] benchmark.modes=[brain,speechbrain,lightning]
 }
 part_bench_small_eager() {
   bench_small_run bench_small_eager 35 fast_path=none benchmark.precisions=[fp32,bf16] \
