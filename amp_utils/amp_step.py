@@ -118,17 +118,15 @@ class AMPOptimizerStep:
         window_finite, self._window_finite = self._window_finite, None
         if not optimizers:
             return None
-        params = [
-            p
-            for opt in optimizers
-            for group in opt.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
+        with_grads = {id(opt): _params_with_grads(opt) for opt in optimizers}
+        params = [p for opt in optimizers for p in with_grads[id(opt)]]
         if not params:  # before unscale_: without the update() that follows it, fp16's
             _zero_grad(optimizers)  # scaler would refuse the next step's unscale_
             return None
-        for opt in optimizers:
+        # An optimizer none of whose parameters got a gradient in the window has nothing
+        # to update; fp16's scaler would refuse to step it (no inf checks recorded).
+        active = [opt for opt in optimizers if with_grads[id(opt)]]
+        for opt in active:
             self.scaler.unscale_(opt)
         if self.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
@@ -143,7 +141,7 @@ class AMPOptimizerStep:
         )
         if self.skip_nonfinite_grads or self.scaler.is_enabled():
             skip = skip | ~torch.isfinite(grad_norm)
-        for opt in optimizers:
+        for opt in active:
             if self.scaler.is_enabled():
                 # The scaler checks the gradients only: a non-finite loss whose gradients
                 # are finite must skip too, so its flag joins the scaler's (on the device;
@@ -178,6 +176,11 @@ class AMPOptimizerStep:
     def loss_scale(self) -> torch.Tensor | None:
         """The current fp16 loss scale as a device tensor (no sync); None without fp16."""
         return self.scaler._get_scale_async() if self.scaler.is_enabled() else None
+
+
+def _params_with_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters of ``opt`` that have a gradient."""
+    return [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
 
 
 def _zero_grad(optimizers: Iterable[torch.optim.Optimizer]) -> None:

@@ -369,6 +369,33 @@ def test_step_with_no_gradient_or_no_optimizer_returns_none():
     assert amp.step([opt]) is None  # nothing has a gradient yet: nothing to step, no error
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_an_optimizer_whose_parameters_have_no_gradient_is_left_alone(precision):
+    """Two optimizers (SpeechBrain's optimizers_dict), a window whose loss reached only the
+    first one's parameters: the first steps as alone, the second keeps its state. fp16's
+    scaler refused the step ('No inf checks were recorded for this optimizer')."""
+    model, other = make_model(), make_model()
+    ref_model = copy.deepcopy(model)
+    opt, other_opt = sgd("foreach")(model.parameters()), sgd("foreach")(other.parameters())
+    ref_opt = sgd("foreach")(ref_model.parameters())
+    amp, ref_amp = direct_step(precision), direct_step(precision)
+    before = params(other)
+    for step, (a, optimizers) in enumerate([(amp, [opt, other_opt]), (ref_amp, [ref_opt])]):
+        a.observe_loss(torch.tensor(1.0))
+        a.backward(mse(ref_model if step else model, 1))
+        info = a.step(optimizers)
+        assert info is not None and not bool(info.skipped)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(other.parameters(), before, strict=True))
+    # The next window reaches both: both step.
+    amp.backward(mse(model, 2) + mse(other, 2))
+    assert not bool(amp.step([opt, other_opt]).skipped)
+    assert not all(
+        torch.equal(p.detach(), q) for p, q in zip(other.parameters(), before, strict=True)
+    )
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_fused_optimizer_skips_on_the_device_through_found_inf(skip):
     """A fused optimizer always runs its kernel: ``found_inf`` (not a host sync) skips it."""
