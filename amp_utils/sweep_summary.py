@@ -185,12 +185,10 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
             rows.append(row)
             continue
         row["status"] = "ok"
-        row["precision"] = _format_number(results.precision)
+        row["precision"] = precision_label(results)
         row["device"] = _format_number(results.device)
         row["model"] = _format_number(results.model)
         row["data"] = _format_number(results.data)
-        if results.precision_requested == "auto":
-            row["precision"] += " (auto)"
         row["processes"] = str(results.world_size)  # DDP ranks
         metrics = results.test_metrics or {}
         for name, column in metric_columns.items():
@@ -270,6 +268,12 @@ def _signed(value: float) -> str:
     return f"{round(value, 2) or 0.0:+.2f}"
 
 
+def precision_label(results: RunResults) -> str:
+    """The precision a run trained in, ``"bf16 (auto)"`` when ``precision=auto`` chose it."""
+    label = _format_number(results.precision)
+    return f"{label} (auto)" if results.precision_requested == "auto" else label
+
+
 def seeds_markdown(runs: list[dict[str, Any]]) -> str:
     """Mean and spread over seeds, and each precision's difference from fp32, for a sweep
     that varies ``seed`` (``-m precision=fp32,bf16 seed=1,2,3``).
@@ -278,8 +282,10 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
     that costs accuracy from run-to-run noise; several seeds can. Runs are grouped by all
     their overrides but ``seed``; each precision's group is compared with the fp32 group of
     the same other overrides, seed by seed (the same seed draws the same initial weights and
-    data order, so a paired difference is the precision's effect plus noise). Empty string
-    when no group has two seeds.
+    data order, so a paired difference is the precision's effect plus noise). Runs of
+    ``precision=auto`` form groups of their own (``"fp32 (auto)"``), apart from the runs
+    that asked for the precision it chose; they are the fp32 reference only where no run
+    asked for fp32. Empty string when no group has two seeds.
     """
     groups: dict[tuple, dict[str, RunResults]] = {}
     for run in runs:
@@ -291,14 +297,15 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
             o for o in _non_precision_overrides(run["overrides"]) if not o.startswith("seed=")
         )
         key = (str(results.model), str(results.data), str(results.device), others)
-        groups.setdefault((*key, str(results.precision)), {})[seed] = results
+        groups.setdefault((*key, precision_label(results)), {})[seed] = results
     groups = {key: by_seed for key, by_seed in groups.items() if len(by_seed) > 1}
     if not groups:
         return ""
     rank = {p: i for i, p in enumerate(_PRECISION_ORDER)}
     rows = []
-    for key in sorted(groups, key=lambda k: (k[:4], rank.get(k[4], 99), k[4])):
-        by_seed, reference = groups[key], groups.get((*key[:4], "fp32"), {})
+    for key in sorted(groups, key=lambda k: (k[:4], rank.get(k[4].split()[0], 99), k[4])):
+        by_seed = groups[key]
+        reference = groups.get((*key[:4], "fp32")) or groups.get((*key[:4], "fp32 (auto)"), {})
         names = [n for n in next(iter(by_seed.values())).test_metrics or {} if n != "loss"]
         row = {
             "model": key[0],
@@ -322,7 +329,7 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
             row[f"{label} vs fp32, per seed"] = (
                 f"{_signed(sum(paired.values()) / len(paired))} "
                 f"[{', '.join(_signed(d) for d in paired.values())}]"
-                if paired and key[4] != "fp32"
+                if paired and reference is not by_seed
                 else MISSING
             )
         speed = {s: r.throughput.train_utterances_per_s for s, r in by_seed.items()}

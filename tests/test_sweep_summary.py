@@ -220,6 +220,32 @@ def test_the_speed_up_over_seeds_pairs_the_seeds_both_precisions_ran(tmp_path: P
     assert "| 210.00 | 2.00x |" in bf16
 
 
+@pytest.mark.parametrize("with_fp32", [True, False])
+def test_auto_runs_over_seeds_are_a_group_of_their_own(tmp_path: Path, with_fp32: bool) -> None:
+    """-m precision=fp32,auto seed=1,2 where auto picks fp32: the auto runs were filed
+    under fp32 by seed, over the explicit fp32 runs, which vanished from the table. Without
+    explicit fp32 runs, the auto ones are the fp32 reference."""
+    cers = {("auto", 1): 5.0, ("auto", 2): 6.0, ("bf16", 1): 2.0, ("bf16", 2): 2.0}
+    if with_fp32:
+        cers |= {("fp32", 1): 1.0, ("fp32", 2): 2.0}
+    for index, ((asked, seed), cer) in enumerate(cers.items()):
+        overrides = [f"precision={asked}", f"seed={seed}"]
+        results = _results("fp32" if asked == "auto" else asked, overrides, CER=cer)
+        results["precision_requested"] = asked
+        _write_job(tmp_path, f"{index}", overrides, results)
+    summarize_sweep(tmp_path)
+    section = (tmp_path / "summary.md").read_text().split("## Over seeds", 1)[1]
+    rows = {line.split(" | ")[3]: line for line in section.splitlines() if "fsdd_digits" in line}
+    assert rows["fp32 (auto)"].count("5.50 (5.00-6.00)") == 1
+    if with_fp32:
+        assert "| 1.50 (1.00-2.00) | — |" in rows["fp32"]
+        assert "+4.00 [+4.00, +4.00]" in rows["fp32 (auto)"]
+        assert "+0.50 [+1.00, +0.00]" in rows["bf16"]
+    else:
+        assert "fp32" not in rows and "| 5.50 (5.00-6.00) | — |" in rows["fp32 (auto)"]
+        assert "-3.50 [-3.00, -4.00]" in rows["bf16"]
+
+
 def test_held_out_speakers_over_seeds_get_a_table_per_seed(tmp_path: Path) -> None:
     """``-m 'data.test_speakers=[george],[lucas]' seed=1,2``: two runs per speaker in one
     (precision, model) group made the sort compare two metric dicts (a TypeError: no
