@@ -88,6 +88,16 @@ def resolve_device(name: str | torch.device) -> torch.device:
     return device
 
 
+def cuda_bf16_native(device: torch.device) -> bool:
+    """Whether the GPU ``device`` computes bf16 natively: compute capability 8.0 (Ampere)
+    or newer, or ROCm, as ``torch.cuda.is_bf16_supported(including_emulation=False)`` says
+    for the *current* GPU. A single process on ``cuda:1`` never makes it current, so on a
+    machine with mixed GPUs that answered for ``cuda:0``."""
+    if torch.version.hip:
+        return True
+    return torch.version.cuda is not None and torch.cuda.get_device_properties(device).major >= 8
+
+
 def check_precision_supported(amp: AMPConfig, device: torch.device) -> None:
     """Raise PrecisionNotSupportedError if ``amp`` cannot run on ``device``.
 
@@ -98,7 +108,7 @@ def check_precision_supported(amp: AMPConfig, device: torch.device) -> None:
     if amp.dtype == torch.float32:
         return
     if device.type == "cuda" and amp.dtype == torch.bfloat16:
-        if not torch.cuda.is_bf16_supported(including_emulation=False):
+        if not cuda_bf16_native(device):
             name = torch.cuda.get_device_name(device)
             raise PrecisionNotSupportedError(
                 f"precision=bf16 is not supported on {device} ({name}): bf16 needs an "
@@ -196,7 +206,7 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
         return name, "requested"
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-        if torch.cuda.is_bf16_supported(including_emulation=False):
+        if cuda_bf16_native(device):
             return "bf16", f"{gpu} computes bf16 natively"
         return "fp16", f"{gpu} has no native bf16; fp16 with dynamic loss scaling"
     if device.type == "cpu" and "bf16" in cpu_native_precisions():

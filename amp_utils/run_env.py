@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from amp_utils.atomic import atomic_write_text
+from amp_utils.precision import cpu_native_precisions, cpu_vector_isa, cuda_bf16_native
 
 _REPO_DIR = Path(__file__).resolve().parent
 
@@ -52,6 +53,16 @@ def git_revision() -> str:
     return f"{head.strip()} (dirty)" if status.strip() else head.strip()
 
 
+def _cpu_precision_line() -> str:
+    """The CPU's vector instructions and native reduced precisions: what decides
+    ``precision=auto`` on a CPU and how fast bf16/fp16 run there (emulated: 2-10x slower)."""
+    try:
+        native = ", ".join(sorted(cpu_native_precisions())) or "none (bf16/fp16 emulated)"
+        return f"cpu vector isa: {cpu_vector_isa()}; native reduced precisions: {native}"
+    except Exception as err:  # a probe never stops a run
+        return f"cpu precisions: unknown ({type(err).__name__}: {err})"
+
+
 def _cuda_lines() -> list[str]:
     """CUDA availability, versions, device names and bf16 support."""
     available = torch.cuda.is_available()
@@ -63,11 +74,11 @@ def _cuda_lines() -> list[str]:
     if available:
         for index in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(index)
+            native = cuda_bf16_native(torch.device("cuda", index))
             lines.append(
                 f"gpu {index}: {torch.cuda.get_device_name(index)} (compute capability "
-                f"{major}.{minor})"
+                f"{major}.{minor}, native bf16: {'yes' if native else 'no'})"
             )
-        lines.append(f"cuda bf16 supported: {torch.cuda.is_bf16_supported()}")
     return lines
 
 
@@ -98,6 +109,7 @@ def environment_report() -> str:
         f"hydra: {_version('hydra')}",
         f"omegaconf: {_version('omegaconf')}",
         f"torch cpu threads: {torch.get_num_threads()}",
+        _cpu_precision_line(),
         *_cuda_lines(),
         f"git revision: {git_revision()}",
         "",

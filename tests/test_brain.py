@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -184,11 +185,18 @@ def test_cuda_without_gpu_fails_clearly():
         RegressionBrain({"model": make_model()}, run_opts=run_opts(device="cuda"))
 
 
+@dataclasses.dataclass
+class _GPU:
+    """What the precision checks read of ``torch.cuda.get_device_properties``."""
+
+    major: int
+
+
 def test_bf16_on_gpu_without_bf16_fails_clearly(monkeypatch):
     from amp_utils.autocast import AMPConfig
     from amp_utils.precision import check_precision_supported
 
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _GPU(major=7))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(PrecisionNotSupportedError, match="V100.*precision=fp16"):
         check_precision_supported(AMPConfig.from_name("bf16"), torch.device("cuda"))

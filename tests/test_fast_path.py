@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -283,12 +284,56 @@ def test_auto_precision_on_the_cpu_follows_its_capabilities(monkeypatch, native,
     assert resolve_precision("fp16", torch.device("cpu")) == ("fp16", "requested")
 
 
-@pytest.mark.parametrize(("bf16", "expected"), [(True, "bf16"), (False, "fp16")])
-def test_auto_precision_on_a_gpu(monkeypatch, bf16, expected):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
-    name, reason = resolve_precision("auto", torch.device("cuda"))
-    assert name == expected and "Some GPU" in reason
+class _TwoGPUs:
+    """Stand-ins for a machine with a Tesla T4 (no native bf16) as cuda:0 and an A100 as
+    cuda:1; cuda:0 is the current device (a process on cuda:1 never changes that)."""
+
+    names = {0: "Tesla T4", 1: "NVIDIA A100"}
+    majors = {0: 7, 1: 8}
+
+    def __init__(self, monkeypatch) -> None:
+        def index(device=None) -> int:
+            return torch.device(device if device is not None else "cuda").index or 0
+
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: self.names[index(d)])
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_device_properties",
+            lambda d=None: types.SimpleNamespace(major=self.majors[index(d)]),
+        )
+
+
+@pytest.mark.parametrize(("gpu", "expected"), [(1, "bf16"), (0, "fp16")])
+def test_auto_precision_on_a_gpu_asks_that_gpu(monkeypatch, gpu, expected):
+    """precision=auto on cuda:1 answers for cuda:1: torch.cuda.is_bf16_supported answered
+    for the current GPU (cuda:0), so the A100 got fp16 and bf16 was refused on it."""
+    from amp_utils.autocast import AMPConfig
+    from amp_utils.precision import PrecisionNotSupportedError, check_precision_supported
+
+    machine = _TwoGPUs(monkeypatch)
+    device = torch.device("cuda", gpu)
+    name, reason = resolve_precision("auto", device)
+    assert name == expected and machine.names[gpu] in reason
+    if expected == "bf16":
+        check_precision_supported(AMPConfig.from_name("bf16"), device)
+    else:
+        with pytest.raises(PrecisionNotSupportedError, match="Tesla T4"):
+            check_precision_supported(AMPConfig.from_name("bf16"), device)
+
+
+def test_env_file_says_which_gpus_compute_bf16_natively(monkeypatch):
+    from amp_utils import run_env
+
+    _TwoGPUs(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7 + d, 5 - 5 * d))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    lines = run_env._cuda_lines()
+    assert "gpu 0: Tesla T4 (compute capability 7.5, native bf16: no)" in lines
+    assert "gpu 1: NVIDIA A100 (compute capability 8.0, native bf16: yes)" in lines
+    assert "cpu vector isa: " in run_env.environment_report()
 
 
 def test_emulated_cpu_precision_warns_once_naming_the_capability(monkeypatch, caplog):
