@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import PRECISIONS, AMPConfig, Checkpointer, TorchAutocast, resolve_device
-from amp_utils.precision import check_precision_supported
+from amp_utils.precision import check_precision_supported, warn_if_emulated
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
@@ -131,6 +131,7 @@ def load_trained(
     dev = resolve_device(device)
     amp = AMPConfig.from_name(precision)
     check_precision_supported(amp, dev)
+    warn_if_emulated(amp, dev, key="--precision")  # e.g. a GPU run's bf16 on a CPU without it
     modules = build_modules(cfg, speakers, augment=False)
     features, model = modules["features"], modules["model"]
     ckpt = Checkpointer(run_dir / "checkpoints", {"module.model": model}, allow_partial_load=True)

@@ -681,6 +681,26 @@ def test_transcribe_labels_in_the_precision_the_run_was_tested_in(cli_run, tmp_p
     assert load_trained(run, device="cpu").amp.name == "fp32"
 
 
+def test_labelling_in_a_precision_this_cpu_emulates_warns(cli_run, tmp_path, monkeypatch, caplog):
+    """A run tested in bf16 (e.g. on a GPU) labels in bf16 by default; on a CPU that
+    emulates it (2-10x slower than fp32) that now says so, with the flag to use instead."""
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    results = json.loads((run / "results.json").read_text())
+    (run / "results.json").write_text(json.dumps({**results, "eval_precision": "bf16"}))
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    monkeypatch.setattr("amp_utils.precision._warned", set())
+    with caplog.at_level(logging.WARNING):
+        assert load_trained(run, device="cpu").amp.name == "bf16"
+    assert "--precision=bf16 on a CPU without AVX512-BF16" in caplog.text
+    assert "Use --precision=fp32" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr("amp_utils.precision._warned", set())
+    with caplog.at_level(logging.WARNING):
+        load_trained(run, device="cpu", precision="fp32")
+    assert "emulates" not in caplog.text
+
+
 @pytest.mark.parametrize("skip_hint", [None, "or drop it from the manifest"])
 def test_transcribe_advice_for_a_bad_file_is_about_the_file_given(monkeypatch, tmp_path, skip_hint):
     """Audio errors are written for a dataset (re-run data preparation, data.skip_bad_files);
