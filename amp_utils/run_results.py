@@ -50,7 +50,9 @@ class RunResults:
     """The record of a whole run, over all its sessions (resumes); ``results.json``.
 
     Metrics are in percent for CER, WER and accuracy. ``valid_metrics`` are those of the
-    tested checkpoint (``valid_metrics_of``), not of the last epoch.
+    weights the test used, not of the last epoch: the tested checkpoint's, or the average
+    of checkpoints it tested (``valid_metrics_of``: ``tested_checkpoint`` or
+    ``averaged_checkpoints``).
     """
 
     precision: str | None = None  # as used (precision=auto resolved)
@@ -70,7 +72,7 @@ class RunResults:
     collapsed: dict[str, Any] | None = None
     tested_checkpoint: dict[str, Any] | None = None  # which checkpoint the test used
     valid_metrics: dict[str, float] = field(default_factory=dict)
-    valid_metrics_of: str = "tested_checkpoint"
+    valid_metrics_of: str = "tested_checkpoint"  # or "averaged_checkpoints"
     throughput: Throughput = field(default_factory=Throughput)
     peak_memory_mb: float | None = None
     peak_memory_kind: str | None = None  # cuda_max_reserved | process_rss

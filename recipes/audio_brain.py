@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from amp_utils import Brain, Stage
 from amp_utils.checkpoint import Checkpointer
@@ -225,6 +226,27 @@ class AudioBrain(Brain):
         """Evaluate with the best checkpoint by the recipe's metric; returns test metrics."""
         self.evaluate(test_loader, **self.best_checkpoint_key())
         return self.test_metrics
+
+    def score_loaded_weights(self, loader: Any) -> dict[str, float]:
+        """The metrics, as the test computes them, of the weights loaded now on ``loader``.
+
+        After a test that averaged checkpoints, the validation figures of the weights it
+        tested (no single checkpoint holds them). Logs nothing, saves nothing, and keeps the
+        test's own record (``test_metrics``, ``outcomes``) as it was.
+        """
+        test_metrics, outcomes = self.test_metrics, self.outcomes
+        counts = {name: getattr(self, name) for name in self.metric_counts}
+        if not isinstance(loader, DataLoader):
+            loader = self.make_dataloader(loader, Stage.TEST)
+        try:
+            with self.stall_watchdog:
+                loss = self._run_eval_loop(loader, Stage.TEST, None, enable=False)
+            self._sum_metric_counts_over_ranks()
+            return {"loss": loss, **self.stage_metrics(Stage.TEST)}
+        finally:
+            self.test_metrics, self.outcomes, self.step = test_metrics, outcomes, 0
+            for name, value in counts.items():
+                setattr(self, name, value)
 
     def tested_checkpoint(self) -> dict[str, Any] | None:
         """The checkpoint the last test used: epoch, optimizer step, validation metrics."""

@@ -340,6 +340,13 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         epochs_completed = epochs.current  # before testing loads the best checkpoint
         test_metrics = brain.evaluate_best(data.test)
         tested = brain.tested_checkpoint()
+        valid_metrics = tested["valid_metrics"] if tested else {}
+        valid_metrics_of = "tested_checkpoint"
+        if tested and tested["averaged_checkpoints"]:
+            # The test used an average of checkpoints: the run's validation figures (and a
+            # sweeper's objective) are the average's, not the best single checkpoint's.
+            valid_metrics = brain.score_loaded_weights(data.valid)
+            valid_metrics_of = "averaged_checkpoints"
         stats = brain.global_train_stats()
         train_time_s = max(stats["time_s"], 1e-9)
         results = RunResults(
@@ -357,9 +364,9 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             overrides=_overrides(),
             test_metrics=test_metrics,
             tested_checkpoint=tested,
-            # The tested checkpoint's validation metrics (not the last epoch's).
-            valid_metrics=tested["valid_metrics"] if tested else {},
-            valid_metrics_of="tested_checkpoint",
+            # The tested weights' validation metrics (not the last epoch's).
+            valid_metrics=valid_metrics,
+            valid_metrics_of=valid_metrics_of,
             throughput=Throughput(
                 train_utterances_per_s=stats["utterances"] / train_time_s,
                 train_audio_seconds_per_s=stats["audio_s"] / train_time_s,
