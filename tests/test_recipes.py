@@ -507,7 +507,12 @@ def test_rerunning_a_finished_run_changes_nothing(cli_run, fsdd_root, prepared_d
         (["trainer.epochs=0"], "trainer.epochs=0 is not valid"),
         # Refused after Hydra has composed the run and the data step has begun.
         (
-            ["trainer.epochs=3", "data.root=/nowhere", "data.download=false"],
+            [
+                "trainer.epochs=3",
+                "trainer.debug_epochs=3",
+                "data.root=/nowhere",
+                "data.download=false",
+            ],
             "FSDD v1.0.10 recordings not found",
         ),
     ],
