@@ -90,6 +90,12 @@ def _first_tensor_device_type(args: tuple, kwargs: dict) -> str:
     return "cpu"
 
 
+def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
+    """``value`` with its floating-point tensors (in tuples, lists, dicts) cast to ``dtype``,
+    as ``torch.amp.custom_fwd`` casts its inputs."""
+    return torch.amp.autocast_mode._cast(value, device_type, dtype)
+
+
 def fwd_default_precision(
     fwd: Callable | None = None,
     cast_inputs: torch.dtype | None = torch.float32,
@@ -123,9 +129,21 @@ def fwd_default_precision(
         if force_allow_autocast:
             return fwd(*args, **kwargs)
         device_type = _first_tensor_device_type(args, kwargs)
+        if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(
+            device_type
+        ):
+            return fwd(*args, **kwargs)  # no autocast there (e.g. "meta") or now: nothing to undo
+        if not args or not hasattr(args[0], "__dict__"):
+            # custom_fwd marks its first argument for custom_bwd: keyword arguments only, or
+            # a number or list first, would fail there, so cast and disable here instead.
+            if cast_inputs is None:
+                return fwd(*args, **kwargs)
+            with torch.autocast(device_type, enabled=False):
+                return fwd(
+                    *_cast(args, device_type, cast_inputs),
+                    **_cast(kwargs, device_type, cast_inputs),
+                )
         wrapped = wrapped_by_device.get(device_type)
-        if wrapped is None and not torch.amp.is_autocast_available(device_type):
-            return fwd(*args, **kwargs)  # no autocast there (e.g. "meta"): nothing to undo
         if wrapped is None:  # other backends: their own custom_fwd, made when first seen
             wrapped = wrapped_by_device[device_type] = torch.amp.custom_fwd(
                 fwd, device_type=device_type, cast_inputs=cast_inputs

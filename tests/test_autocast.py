@@ -92,6 +92,27 @@ def test_fwd_default_precision_changes_nothing_outside_autocast():
     assert _Float64()(torch.randn(2)).dtype == torch.float32
 
 
+@fwd_default_precision
+def _computing_dtype(*args, **kwargs) -> tuple:
+    """A free function (no ``self`` first): the dtypes it computes on, and autocast's state."""
+    tensors = [*args, *kwargs.values()]
+    return (
+        [t.dtype for t in tensors if isinstance(t, torch.Tensor)],
+        torch.is_autocast_enabled("cpu"),
+    )
+
+
+def test_fwd_default_precision_takes_keyword_arguments_and_numbers_first():
+    """torch's custom_fwd marks its first argument: a call with keyword arguments only
+    failed (IndexError) even outside autocast, and a number first failed under it."""
+    x, n = torch.ones(2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.int64)
+    assert _computing_dtype(logits=x, lengths=n) == ([torch.bfloat16, torch.int64], False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _computing_dtype(logits=x, lengths=n) == ([torch.float32, torch.int64], False)
+        assert _computing_dtype(3, x) == ([torch.float32], False)
+        assert _computing_dtype(x, n) == ([torch.float32, torch.int64], False)
+
+
 @pytest.mark.gpu
 def test_fwd_default_precision_on_cuda(cuda_device):
     x = torch.randn(3, 3, device=cuda_device)
