@@ -24,8 +24,11 @@ from amp_utils.running_mean import RunningMean
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive non-finite losses: training cannot continue."""
+class NonFiniteLossError(RuntimeError, ValueError):
+    """Too many consecutive non-finite losses: training cannot continue.
+
+    Also a ``ValueError``: SpeechBrain's ``Brain.check_loss_isfinite`` raises one, so code
+    written for it (``except ValueError``) catches this too."""
 
 
 class StepInfo(NamedTuple):
