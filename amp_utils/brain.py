@@ -126,7 +126,9 @@ class Brain:
             ``self.modules.<name>``.
         opt_class: called with the modules' parameters to build the optimizer.
         hparams: any values; available with dot access as ``self.hparams.<name>``.
-        run_opts: a ``RunOptions`` or a dict of its fields (device, precision, ...).
+        run_opts: a ``RunOptions`` or a dict of its fields (device, precision, ...); a
+            field a dict leaves out is taken from ``hparams`` when it has that key (as in
+            SpeechBrain), else its default.
         checkpointer: an ``amp_utils.Checkpointer``; the loop registers the modules (unless
             already registered), its own state, the optimizer, the scaler and the scheduler.
         lr_scheduler: a callable ``optimizer -> scheduler``; the scheduler is stepped once
@@ -161,7 +163,8 @@ class Brain:
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         tensorboard: Any = None,
     ) -> None:
-        self.run_opts = RunOptions.from_dict(run_opts)
+        # Options missing from run_opts come from hparams, as in SpeechBrain.
+        self.run_opts = RunOptions.from_dict(run_opts, hparams)
         device = resolve_device(self.run_opts.device)
         self.distributed = init_distributed(self.run_opts.distributed_backend, device.type)
         if self.distributed.enabled and device.type == "cuda":

@@ -8,11 +8,14 @@ silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from amp_utils.distributed import BACKENDS
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,19 +55,32 @@ class RunOptions:
     find_unused_parameters: bool = False  # DDP: allow parameters without gradients in a step
 
     @classmethod
-    def from_dict(cls, options: Mapping[str, Any] | RunOptions | None) -> RunOptions:
-        """Build from a mapping, rejecting unknown keys with a message naming the valid ones."""
-        if options is None:
-            return cls()
+    def from_dict(
+        cls,
+        options: Mapping[str, Any] | RunOptions | None,
+        hparams: Mapping[str, Any] | None = None,
+    ) -> RunOptions:
+        """Build from a mapping, rejecting unknown keys with a message naming the valid ones.
+
+        An option that ``options`` (a mapping) leaves out is taken from ``hparams`` when it
+        holds that key, as SpeechBrain's ``Brain`` does: its recipes set ``precision``,
+        ``max_grad_norm`` or ``grad_accumulation_factor`` in their hparams YAML. Each such
+        option is logged. A ``RunOptions`` instance is complete and taken as it is.
+        """
         if isinstance(options, RunOptions):
             return dataclasses.replace(options)
+        options = dict(options or {})
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ValueError(
                 f"Unknown run option(s) {unknown}; valid options are: {', '.join(valid)}."
             )
-        opts = cls(**dict(options))
+        for name in valid:
+            if name not in options and hparams is not None and name in hparams:
+                options[name] = hparams[name]
+                logger.info("Run option %s=%r comes from hparams.", name, hparams[name])
+        opts = cls(**options)
         opts.validate()
         return opts
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import re
@@ -330,6 +331,24 @@ def test_fp16_overflow_skips_step_and_not_the_scheduler():
     assert brain.lr_scheduler.last_epoch == brain.optimizer_step  # only applied steps count
     assert brain.scaler.get_scale() == 2.0**16 * 0.5**brain.skipped_steps
     assert all(torch.isfinite(p).all() for p in brain.modules.parameters())
+
+
+def test_run_options_missing_from_run_opts_come_from_hparams(caplog):
+    """As in SpeechBrain, whose recipes set precision, max_grad_norm or
+    grad_accumulation_factor in their hparams YAML: they were ignored (fp32, no
+    accumulation, clipping at 5.0) without a word. run_opts wins where it has the key."""
+    hparams = {"precision": "bf16", "grad_accumulation_factor": 4, "max_grad_norm": 1.0}
+    with caplog.at_level(logging.INFO, logger="amp_utils.run_options"):
+        brain = RegressionBrain(
+            {"model": make_model()}, sgd(), hparams=hparams, run_opts={"max_grad_norm": 2.0}
+        )
+    opts = brain.run_opts
+    assert (opts.precision, opts.grad_accumulation_factor, opts.max_grad_norm) == ("bf16", 4, 2.0)
+    assert brain.amp.name == "bf16" and brain.hparams.precision == "bf16"
+    assert "Run option precision='bf16' comes from hparams." in caplog.text
+    assert "max_grad_norm" not in caplog.text
+    with pytest.raises(ValueError, match="grad_accumulation_factor must be >= 1"):
+        RegressionBrain({"model": make_model()}, sgd(), hparams={"grad_accumulation_factor": 0})
 
 
 def test_debug_mode_limits_batches_and_epochs():
