@@ -159,6 +159,9 @@ def tensorboard_hparams(
         key = key.lstrip("+~")
         if key in hparams or key in NOT_HPARAMS or key.startswith("hydra."):
             continue
+        if key == "precision.eval_precision":  # as used (auto resolved), as precision is
+            hparams[key] = results.eval_precision
+            continue
         selected = OmegaConf.select(cfg, key, default=None)
         hparams[key] = selected if isinstance(selected, bool | int | float | str) else value
     metrics = results.final_metrics()

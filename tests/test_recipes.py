@@ -169,6 +169,23 @@ def test_tensorboard_records_the_batch_budget_the_sampler_used(
     assert used == cfg.data.max_batch_seconds * 3 and hparams["max_batch_seconds"] == used
 
 
+def test_tensorboard_records_the_eval_precision_used(
+    tmp_path, fsdd_root, prepared_digits, monkeypatch
+):
+    """precision.eval_precision=auto on the command line: the hparams say what it chose, as
+    they do for precision (they said 'auto' next to the resolved training precision)."""
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "precision.eval_precision=auto", "seed=3")
+    data = build_data(cfg, torch.device("cpu"))
+    monkeypatch.setattr(
+        "recipes.experiment._overrides",
+        lambda: ["precision=auto", "precision.eval_precision=auto", "seed=3"],
+    )
+    results = RunResults(precision="bf16", eval_precision="fp32", device="cpu")
+    hparams, _ = tensorboard_hparams(cfg, results, data)
+    assert hparams["precision"] == "bf16" and hparams["precision.eval_precision"] == "fp32"
+    assert hparams["seed"] == 3
+
+
 @pytest.mark.parametrize("pad_to_buckets", [False, True])
 def test_the_run_record_says_how_many_utterances_an_epoch_trains(
     tmp_path, fsdd_root, prepared_digits, pad_to_buckets, caplog
