@@ -24,7 +24,7 @@ class RunOptions:
 
     device: str = "cpu"  # "auto", "cpu", "cuda" or "cuda:N"
     precision: str = "fp32"  # training autocast precision: fp32, fp16, bf16 or auto
-    eval_precision: str = "fp32"  # validation/test autocast precision (auto: as precision)
+    eval_precision: str = "fp32"  # validation/test autocast precision (auto: as precision=auto)
     max_grad_norm: float = 5.0  # clip the global gradient norm (all param groups); <= 0: off
     grad_accumulation_factor: int = 1  # batches per optimizer step
     skip_nonfinite_grads: bool = False  # skip (do not apply) steps whose gradients are not finite
