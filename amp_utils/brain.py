@@ -223,6 +223,7 @@ class Brain:
         self._trained_batches = 0  # training batches of the epoch last trained
         self._stop_flag: torch.Tensor | None = None  # DDP: this rank caught a signal (0/1)
         self._ranks_signalled: torch.Tensor | None = None  # the batch's sum over the ranks
+        self._unrecorded_step: StepInfo | None = None  # optimizers_step's, for train_step
         self._epoch_start = time.perf_counter()
         self._epoch_counter: Any = None
         self._stage: Stage | None = None  # the stage running, and its epoch (stall warning)
@@ -444,7 +445,16 @@ class Brain:
         to date. Returns the batch's loss as a detached device tensor.
         """
         self.step += 1
-        return self.fit_batch(batch)
+        records, self._unrecorded_step = self.ledger.records, None
+        loss = self.fit_batch(batch)
+        if self.ledger.records == records:
+            # A fit_batch overridden the SpeechBrain way (forward, backward,
+            # optimizers_step(), return the loss) without Brain.fit_batch: its loss and step
+            # are accounted here, as the built-in step accounts its own (running loss, step
+            # counts, non-finite patience, LR schedule).
+            loss = torch.as_tensor(loss).detach()
+            self.ledger.record(self.step, loss, self._unrecorded_step, self.amp_step.loss_scale())
+        return loss
 
     def fit_batch(self, batch: Any) -> torch.Tensor:
         """Train on one batch: autocast forward, scaled backward, step every N batches.
@@ -683,7 +693,9 @@ class Brain:
         tensors (read later by the step ledger, so that nothing waits here).
         """
         self.flush_pending()  # the previous step's values are ready by now
-        return self.amp_step.step(self.optimizers_dict.values())
+        step_info = self.amp_step.step(self.optimizers_dict.values())
+        self._unrecorded_step = step_info  # for a fit_batch override (see train_step)
+        return step_info
 
     def flush_pending(self) -> None:
         """Account for the batches whose values are pending (syncs with the device).

@@ -80,6 +80,7 @@ class StepLedger:
         self.tensorboard = tensorboard
         self.log_interval_steps = log_interval_steps
         self.extra_scalars = extra_scalars
+        self.records = 0  # batches recorded in this process (record's calls)
         self.optimizer_step = 0  # optimizer steps applied in the whole run
         self.skipped_steps = 0  # steps the scaler or the non-finite check skipped
         self.nonfinite_count = 0  # consecutive non-finite losses
@@ -107,6 +108,7 @@ class StepLedger:
         in the batch's loss all-reduce; once read, ``stop_requested`` is set on every rank
         at the same flush.
         """
+        self.records += 1
         values = [loss]
         if step_info is not None:
             values += [step_info.grad_norm, step_info.skipped]

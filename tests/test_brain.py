@@ -351,6 +351,34 @@ def test_run_options_missing_from_run_opts_come_from_hparams(caplog):
         RegressionBrain({"model": make_model()}, sgd(), hparams={"grad_accumulation_factor": 0})
 
 
+def test_a_fit_batch_overridden_the_speechbrain_way_is_accounted():
+    """SpeechBrain documents overriding fit_batch (forward, backward, optimizers_step(),
+    return the loss). The loop ignored its return and its steps: 10 SGD steps gave
+    optimizer_step 0, an LR schedule that never moved and a training loss of 0."""
+
+    class SpeechBrainStyle(RegressionBrain):
+        def fit_batch(self, batch):
+            outputs = self.compute_forward(batch, Stage.TRAIN)
+            loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
+            loss.backward()
+            self.optimizers_step()
+            return loss.detach().cpu()
+
+    brain = SpeechBrainStyle(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+    )
+    losses = []
+    brain.on_stage_end = lambda stage, loss, epoch=None: losses.append((stage, loss))
+    brain.fit(range(2), DataLoader(make_data(20), batch_size=4))
+    assert brain.optimizer_step == 10 and brain.lr_scheduler.last_epoch == 10
+    assert brain.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**10)
+    assert [stage for stage, _ in losses] == [Stage.TRAIN, Stage.TRAIN]
+    assert all(loss > 0 for _, loss in losses)
+
+
 def test_debug_mode_limits_batches_and_epochs():
     class Counting(RegressionBrain):
         def on_stage_start(self, stage, epoch=None):
