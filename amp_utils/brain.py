@@ -298,6 +298,57 @@ class Brain:
         """Gradient norm (before clipping) of the last optimizer step read back."""
         return self.ledger.last_grad_norm
 
+    # SpeechBrain's Brain attributes, for code written against it (read-only here: the
+    # options live in ``run_opts``; the precisions are those in use, auto resolved).
+    @property
+    def precision(self) -> str:
+        """The training precision in use (``"fp32"``, ``"fp16"``, ``"bf16"``)."""
+        return self.amp.name
+
+    @property
+    def eval_precision(self) -> str:
+        """The validation/test precision in use."""
+        return self.eval_amp.name
+
+    @property
+    def max_grad_norm(self) -> float:
+        """``run_opts.max_grad_norm``."""
+        return self.run_opts.max_grad_norm
+
+    @property
+    def grad_accumulation_factor(self) -> int:
+        """``run_opts.grad_accumulation_factor``."""
+        return self.run_opts.grad_accumulation_factor
+
+    @property
+    def noprogressbar(self) -> bool:
+        """``run_opts.noprogressbar``."""
+        return self.run_opts.noprogressbar
+
+    @property
+    def debug(self) -> bool:
+        """``run_opts.debug``."""
+        return self.run_opts.debug
+
+    @property
+    def training_ctx(self) -> TorchAutocast:
+        """Autocast of the training precision, for a ``fit_batch`` override's forward pass
+        (``with self.training_ctx: ...``), as in SpeechBrain."""
+        return TorchAutocast(device_type=self.device_type, dtype=self.amp.dtype)
+
+    @property
+    def evaluation_ctx(self) -> TorchAutocast:
+        """Autocast of the evaluation precision, as in SpeechBrain."""
+        return TorchAutocast(device_type=self.device_type, dtype=self.eval_amp.dtype)
+
+    def freeze_optimizers(
+        self, optimizers: dict[str, torch.optim.Optimizer]
+    ) -> dict[str, torch.optim.Optimizer]:
+        """The optimizers that step this time (SpeechBrain's hook): all of them by default;
+        override it to leave some out (e.g. a frozen encoder's during warm-up). An
+        override turns whole-step CUDA graphs off (a capture would freeze its choice)."""
+        return optimizers
+
     def _resolve_amp(self, name: str, option: str) -> AMPConfig:
         """AMPConfig of a precision name (``auto``: the device's native one, logged)."""
         resolved, reason = resolve_precision(name, self.device)
@@ -558,6 +609,8 @@ class Brain:
             return "DDP's gradient all-reduce is not captured (one process only)"
         if self._cudagraphs:
             return "torch.compile already replays CUDA graphs (trainer.compile_mode)"
+        if type(self).freeze_optimizers is not Brain.freeze_optimizers:
+            return "freeze_optimizers is overridden: a captured step would freeze its choice"
         optimizers = list(self.optimizers_dict.values())
         if not optimizers:
             return "there is no optimizer"
@@ -624,7 +677,9 @@ class Brain:
             loss = loss.detach()
             self.amp_step.observe_loss(loss)
             with self._capturable.during_step():
-                step_info = self.amp_step.step(self.optimizers_dict.values())
+                step_info = self.amp_step.step(
+                    self.freeze_optimizers(self.optimizers_dict).values()
+                )
             return outputs, loss, step_info, self.amp_step.loss_scale()
         finally:
             self.graph_safe_step = False
@@ -693,7 +748,7 @@ class Brain:
         tensors (read later by the step ledger, so that nothing waits here).
         """
         self.flush_pending()  # the previous step's values are ready by now
-        step_info = self.amp_step.step(self.optimizers_dict.values())
+        step_info = self.amp_step.step(self.freeze_optimizers(self.optimizers_dict).values())
         self._unrecorded_step = step_info  # for a fit_batch override (see train_step)
         return step_info
 

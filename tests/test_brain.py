@@ -379,6 +379,49 @@ def test_a_fit_batch_overridden_the_speechbrain_way_is_accounted():
     assert all(loss > 0 for _, loss in losses)
 
 
+def test_speechbrain_brain_attributes_and_hooks_exist():
+    """Code written for SpeechBrain's Brain reads its options as attributes, runs its
+    forward under training_ctx/evaluation_ctx and overrides freeze_optimizers: all were
+    missing (AttributeError)."""
+    frozen = make_model()
+
+    class TwoOptimizers(RegressionBrain):
+        def init_optimizers(self):
+            super().init_optimizers()
+            self.frozen_opt = torch.optim.SGD(frozen.parameters(), lr=0.1)
+            self.optimizers_dict["frozen"] = self.frozen_opt
+
+        def freeze_optimizers(self, optimizers):
+            return {k: v for k, v in optimizers.items() if k != "frozen"}
+
+        def fit_batch(self, batch):
+            with self.training_ctx:
+                outputs = self.compute_forward(batch, Stage.TRAIN)
+                assert torch.is_autocast_enabled("cpu")
+                loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
+                loss = loss + frozen(batch[0]).float().sum() * 0
+            loss.backward()
+            self.optimizers_step()
+            return loss.detach()
+
+    brain = TwoOptimizers(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(precision="bf16", max_grad_norm=2.0, debug=True),
+    )
+    assert (brain.precision, brain.eval_precision) == ("bf16", "fp32")
+    assert (brain.max_grad_norm, brain.grad_accumulation_factor) == (2.0, 1)
+    assert brain.noprogressbar and brain.debug
+    with brain.evaluation_ctx:
+        assert not torch.is_autocast_enabled("cpu")  # fp32 evaluation: a no-op
+    before = [p.detach().clone() for p in frozen.parameters()]
+    brain.fit(range(1), DataLoader(make_data(16), batch_size=4))
+    assert brain.optimizer_step == 2  # debug: 2 batches
+    assert all(torch.equal(p, q) for p, q in zip(frozen.parameters(), before, strict=True))
+    brain.device = torch.device("cuda")  # the blocker's other reasons do not apply then
+    assert "freeze_optimizers is overridden" in brain.step_graph_blocker()
+
+
 def test_debug_mode_limits_batches_and_epochs():
     class Counting(RegressionBrain):
         def on_stage_start(self, stage, epoch=None):
