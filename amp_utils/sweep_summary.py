@@ -269,9 +269,15 @@ def _signed(value: float) -> str:
 
 
 def precision_label(results: RunResults) -> str:
-    """The precision a run trained in, ``"bf16 (auto)"`` when ``precision=auto`` chose it."""
+    """The precision a run trained in, ``"bf16 (auto)"`` when ``precision=auto`` chose it,
+    and ``", eval fp32"`` when its validation and test ran in another one (its test
+    figures are that precision's)."""
     label = _format_number(results.precision)
-    return f"{label} (auto)" if results.precision_requested == "auto" else label
+    if results.precision_requested == "auto":
+        label += " (auto)"
+    if results.eval_precision and results.eval_precision != results.precision:
+        label += f", eval {results.eval_precision}"
+    return label
 
 
 def seeds_markdown(runs: list[dict[str, Any]]) -> str:

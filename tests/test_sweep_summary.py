@@ -246,6 +246,21 @@ def test_auto_runs_over_seeds_are_a_group_of_their_own(tmp_path: Path, with_fp32
         assert "-3.50 [-3.00, -4.00]" in rows["bf16"]
 
 
+def test_a_run_evaluated_in_another_precision_says_so(tmp_path: Path) -> None:
+    """precision=bf16 precision.eval_precision=fp32: its test figures are fp32's; the
+    table said 'bf16' alone, and over seeds it was grouped with bf16-tested runs."""
+    for index, (evaluated, seed) in enumerate([("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2)]):
+        overrides = ["precision=bf16", f"precision.eval_precision={evaluated}", f"seed={seed}"]
+        results = _results("bf16", overrides, CER=float(index))
+        results["eval_precision"] = evaluated
+        _write_job(tmp_path, f"{index}", overrides, results)
+    summarize_sweep(tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    main, seeds = summary.split("## Over seeds", 1)
+    assert main.count("| bf16, eval fp32 |") == 2 and main.count("| bf16 |") == 2
+    assert "| bf16, eval fp32 | 1,2 |" in seeds and "| bf16 | 1,2 |" in seeds
+
+
 def test_held_out_speakers_over_seeds_get_a_table_per_seed(tmp_path: Path) -> None:
     """``-m 'data.test_speakers=[george],[lucas]' seed=1,2``: two runs per speaker in one
     (precision, model) group made the sort compare two metric dicts (a TypeError: no
