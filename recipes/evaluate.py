@@ -75,8 +75,10 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     """Test a finished run's tested checkpoint on ``split`` under ``overrides``.
 
     Returns:
-        ``{"run", "split", "overrides", "metrics", "tested_checkpoint", "errors"}``; ``errors``
-        is the markdown error report (``recipes/error_report.py``).
+        ``{"run", "split", "overrides", "precision", "metrics", "tested_checkpoint",
+        "errors"}``; ``precision`` is the one the metrics were computed in (the run's
+        ``precision.eval_precision``, ``auto`` resolved); ``errors`` is the markdown error
+        report (``recipes/error_report.py``).
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not valid; choose one of: {', '.join(SPLITS)}.")
@@ -93,6 +95,7 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
         "run": str(run_dir),
         "split": split,
         "overrides": overrides,
+        "precision": brain.eval_amp.name,
         "metrics": metrics,
         "tested_checkpoint": brain.tested_checkpoint(),
         "errors": error_report(

@@ -621,6 +621,7 @@ def test_evaluate_recomputes_the_runs_test_and_writes_nothing_there(cli_run) -> 
     before = snapshot(cli_run)
     saved = json.loads((cli_run / "results.json").read_text())
     result = evaluate_run(cli_run)
+    assert result["precision"] == saved["eval_precision"] == "fp32"  # what it computed in
     assert result["metrics"] == pytest.approx(saved["test_metrics"], rel=1e-6)
     assert result["tested_checkpoint"] == saved["tested_checkpoint"]
     # The run's valid_metrics are the tested weights' (an average of 2 checkpoints here).
