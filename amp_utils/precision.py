@@ -39,7 +39,13 @@ EMULATED_CPU_SLOWDOWN_DEFAULT = "about 10x slower than fp32 (measured on an AVX2
 AVX512_FP16_SPEED = "about as fast as fp32 (measured 0.92-0.94x fp32 end to end)"
 
 logger = logging.getLogger(__name__)
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple[str, str, str]] = set()
+
+
+def reset_emulation_warnings() -> None:
+    """Let :func:`warn_if_emulated` warn again: at the start of each run, so that every
+    job of a sweep run in one process has the warning in its own ``train.log``."""
+    _warned.clear()
 
 
 class PrecisionNotSupportedError(RuntimeError):

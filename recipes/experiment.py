@@ -40,7 +40,7 @@ from amp_utils.distributed import (
     init_distributed,
     run_on_main,
 )
-from amp_utils.precision import AUTO
+from amp_utils.precision import AUTO, reset_emulation_warnings
 from amp_utils.run_clock import RunClock
 from amp_utils.run_env import write_env_file
 from amp_utils.run_results import RESULTS_FILE, RunResults, Throughput
@@ -293,6 +293,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     finished: its results are returned and nothing is written.
     """
     start = time.time()
+    reset_emulation_warnings()  # each run's log says it, a sweep's later jobs' too
     preflight(cfg)
     finished = finished_results(Path(cfg.output_dir), planned_epochs(cfg.trainer))
     if finished is not None:

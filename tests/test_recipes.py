@@ -169,6 +169,20 @@ def test_tensorboard_records_the_batch_budget_the_sampler_used(
     assert used == cfg.data.max_batch_seconds * 3 and hparams["max_batch_seconds"] == used
 
 
+def test_each_run_of_a_sweep_process_warns_of_an_emulated_precision(
+    tmp_path, fsdd_root, prepared_digits, monkeypatch, caplog
+):
+    """The warning came once per process: in a sweep, the jobs after the first had none in
+    their own train.log."""
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    for name in ("a", "b"):
+        cfg = fast_cfg(tmp_path / name, fsdd_root, prepared_digits, "precision=bf16")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="amp_utils.precision"):
+            train(cfg)
+        assert "precision=bf16 on a CPU without AVX512-BF16" in caplog.text, name
+
+
 def test_tensorboard_records_the_eval_precision_used(
     tmp_path, fsdd_root, prepared_digits, monkeypatch
 ):
