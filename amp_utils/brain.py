@@ -118,6 +118,11 @@ class Stage(Enum):
     TEST = auto()
 
 
+def _run_option(name: str) -> property:
+    """A read-only ``Brain`` attribute for ``run_opts.<name>``, as SpeechBrain's are."""
+    return property(lambda self: getattr(self.run_opts, name), doc=f"``run_opts.{name}``.")
+
+
 class Brain:
     """Brain class abstracts away the details of data loops.
 
@@ -310,25 +315,10 @@ class Brain:
         """The validation/test precision in use."""
         return self.eval_amp.name
 
-    @property
-    def max_grad_norm(self) -> float:
-        """``run_opts.max_grad_norm``."""
-        return self.run_opts.max_grad_norm
-
-    @property
-    def grad_accumulation_factor(self) -> int:
-        """``run_opts.grad_accumulation_factor``."""
-        return self.run_opts.grad_accumulation_factor
-
-    @property
-    def noprogressbar(self) -> bool:
-        """``run_opts.noprogressbar``."""
-        return self.run_opts.noprogressbar
-
-    @property
-    def debug(self) -> bool:
-        """``run_opts.debug``."""
-        return self.run_opts.debug
+    max_grad_norm = _run_option("max_grad_norm")
+    grad_accumulation_factor = _run_option("grad_accumulation_factor")
+    noprogressbar = _run_option("noprogressbar")
+    debug = _run_option("debug")
 
     @property
     def training_ctx(self) -> TorchAutocast:
