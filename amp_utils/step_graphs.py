@@ -105,19 +105,19 @@ def shape_key(batch: Any) -> tuple[tuple[tuple[int, ...], torch.dtype, str], ...
 
 
 @dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    static_batch: Any  # the graph's input tensors (a copy of the batch's structure)
+    outputs: Any  # the graph's output tensors (overwritten by each replay)
+
+
+@dataclass
 class PreparedStep:
     """A batch made ready by :meth:`StepGraphs.prepare` for :meth:`StepGraphs.run`."""
 
     batch: Any
     key: Hashable  # its shape
-    copied: bool  # already in its captured shape's static inputs
-
-
-@dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    static_batch: Any  # the graph's input tensors (a copy of the batch's structure)
-    outputs: Any  # the graph's output tensors (overwritten by each replay)
+    captured: _Captured | None  # its shape's graph, the batch already in its inputs
 
 
 class StepGraphs:
@@ -181,16 +181,13 @@ class StepGraphs:
         captured = self.graphs.get(key)
         if captured is not None:
             self.copy_into(captured.static_batch, batch)
-        return PreparedStep(batch, key, copied=captured is not None)
+        return PreparedStep(batch, key, captured)
 
     def run(self, prepared: PreparedStep) -> Any:
         """The training step on a batch from :meth:`prepare`: a replay of its shape's graph,
         or a warm-up, capture or eager step; returns the body's outputs (copies: keep them)."""
-        batch, key = prepared.batch, prepared.key
-        captured = self.graphs.get(key)
+        batch, key, captured = prepared.batch, prepared.key, prepared.captured
         if captured is not None:
-            if not prepared.copied:
-                self.copy_into(captured.static_batch, batch)
             captured.graph.replay()
             self.replays += 1
             return clone_tensors(captured.outputs)
