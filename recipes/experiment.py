@@ -54,7 +54,6 @@ from recipes.preflight import preflight, run_options
 from recipes.run_folder import (
     LABELS_FILE,
     RunFolder,
-    epochs_key,
     finished_message,
     finished_results,
     planned_epochs,
@@ -295,11 +294,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start = time.time()
     reset_emulation_warnings()  # each run's log says it, a sweep's later jobs' too
     preflight(cfg)
-    finished = finished_results(Path(cfg.output_dir), planned_epochs(cfg.trainer))
+    finished = finished_results(Path(cfg.output_dir), cfg.trainer)
     if finished is not None:
         # To the console only: in a sweep the job's log file is open, and a finished run's
         # files stay byte-identical.
-        print(finished_message(Path(cfg.output_dir), finished, epochs_key(cfg.trainer)), flush=True)
+        print(finished_message(Path(cfg.output_dir), finished, cfg.trainer), flush=True)
         return finished.to_dict()
     folder = RunFolder(Path(cfg.output_dir))
     try:

@@ -52,32 +52,33 @@ def planned_epochs(trainer: Any) -> int:
 
 def epochs_key(trainer: Any) -> str:
     """The option that sets ``planned_epochs``: what to raise to train a run further."""
-    short_debug = trainer.debug and int(trainer.debug_epochs) < int(trainer.epochs)
+    short_debug = planned_epochs(trainer) < int(trainer.epochs)
     return "trainer.debug_epochs" if short_debug else "trainer.epochs"
 
 
-def finished_results(run_dir: Path, epochs: int) -> RunResults | None:
-    """The results of a run in ``run_dir`` that finished ``epochs`` epochs (its
-    ``planned_epochs``), else None.
+def finished_results(run_dir: Path, trainer: Any) -> RunResults | None:
+    """The results of a run in ``run_dir`` that finished the epochs the ``trainer`` config
+    plans (``planned_epochs``), else None.
 
-    A run has finished when its ``results.json`` says it completed at least ``epochs``
-    epochs; with more epochs requested, the run is extended instead.
+    A run has finished when its ``results.json`` says it completed at least those epochs;
+    with more epochs requested, the run is extended instead.
     """
     try:
         results = RunResults.read(run_dir / RESULTS_FILE)
     except (OSError, ValueError):
         return None
     completed = results.completed_epochs
-    if not isinstance(completed, int) or completed < epochs:
+    if not isinstance(completed, int) or completed < planned_epochs(trainer):
         return None
     return results
 
 
-def finished_message(run_dir: Path, results: RunResults, key: str = "trainer.epochs") -> str:
+def finished_message(run_dir: Path, results: RunResults, trainer: Any) -> str:
     """One line: the run has finished, where its results are, how to train it further
-    (raise ``key``: see ``epochs_key``)."""
+    (raise the ``trainer`` option of ``epochs_key``)."""
     from recipes.audio_brain import format_metrics
 
+    key = epochs_key(trainer)
     metrics = format_metrics(results.test_metrics)
     completed = results.completed_epochs
     return (
@@ -140,9 +141,9 @@ class RunFolderCallback(Callback):
             preflight(task_cfg)
         except USER_ERRORS as err:
             sys.exit(f"error: {err}")
-        results = finished_results(run_dir, planned_epochs(task_cfg.trainer))
+        results = finished_results(run_dir, task_cfg.trainer)
         if results is not None:
-            print(finished_message(run_dir, results, epochs_key(task_cfg.trainer)))
+            print(finished_message(run_dir, results, task_cfg.trainer))
             sys.exit(0)
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.runtime.output_dir = str(run_dir)  # run_job sets the same value
