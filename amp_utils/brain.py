@@ -339,6 +339,10 @@ class Brain:
         override turns whole-step CUDA graphs off (a capture would freeze its choice)."""
         return optimizers
 
+    def _stepped_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers a step updates: ``freeze_optimizers`` of all of them."""
+        return list(self.freeze_optimizers(self.optimizers_dict).values())
+
     def _resolve_amp(self, name: str, option: str) -> AMPConfig:
         """AMPConfig of a precision name (``auto``: the device's native one, logged)."""
         resolved, reason = resolve_precision(name, self.device)
@@ -667,9 +671,7 @@ class Brain:
             loss = loss.detach()
             self.amp_step.observe_loss(loss)
             with self._capturable.during_step():
-                step_info = self.amp_step.step(
-                    self.freeze_optimizers(self.optimizers_dict).values()
-                )
+                step_info = self.amp_step.step(self._stepped_optimizers())
             return outputs, loss, step_info, self.amp_step.loss_scale()
         finally:
             self.graph_safe_step = False
@@ -738,7 +740,7 @@ class Brain:
         tensors (read later by the step ledger, so that nothing waits here).
         """
         self.flush_pending()  # the previous step's values are ready by now
-        step_info = self.amp_step.step(self.freeze_optimizers(self.optimizers_dict).values())
+        step_info = self.amp_step.step(self._stepped_optimizers())
         self._unrecorded_step = step_info  # for a fit_batch override (see train_step)
         return step_info
 
@@ -829,13 +831,13 @@ class Brain:
         self.on_fit_start()
         enable = self._progressbar(progressbar)
         reset_peak_memory(self.device)
+        # Debug mode runs debug_epochs epochs. An EpochCounter numbers them from the run's
+        # start, so a resumed debug run ends where the uninterrupted one does (counting this
+        # call's epochs, it trained debug_epochs more); other iterables (range(n)) count
+        # this call's epochs.
+        counted = isinstance(epoch_counter, EpochCounter)
         with self.stop_signals, self.stall_watchdog:
             for epochs_run, epoch in enumerate(epoch_counter, start=1):
-                # Debug mode runs debug_epochs epochs. An EpochCounter numbers them from the
-                # run's start, so a resumed debug run ends where the uninterrupted one does
-                # (counting this call's epochs, it trained debug_epochs more); other
-                # iterables (range(n)) count this call's epochs.
-                counted = isinstance(epoch_counter, EpochCounter)
                 debug_epoch = epoch if counted else epochs_run
                 if self.run_opts.debug and debug_epoch > self.run_opts.debug_epochs:
                     epoch_counter.current = epoch - 1  # type: ignore[union-attr] (did not run)
