@@ -13,8 +13,9 @@ utterances thus cost a few megabytes of plan and seconds of preparation, where w
 them as wavs took gigabytes and minutes.
 
 Generation is seeded and deterministic: the same parameters give the same plans and the
-same audio on every host, run and DataLoader worker. A ``.done`` stamp holding a hash of
-the parameters makes re-runs free.
+same audio on every host, run and DataLoader worker. The plans of one parameter set live
+in their own folder, named after a hash of the parameters, where a ``.done`` stamp makes
+re-runs free.
 
 The audio is quantised to 16 bits in memory exactly as the wav files of generator
 version 1 were: by libsndfile's own float-to-PCM_16 conversion (through soundfile), so an
@@ -64,6 +65,8 @@ DEFAULT_NUM_UTTERANCES: Mapping[str, int] = MappingProxyType(
 GENERATOR_VERSION = 2
 SPLITS = ("train", "valid", "test")
 PLAN_SUFFIX = ".plan.jsonl"
+#: Hex digits of the parameters' hash in the name of their plans' folder (``plans-<hash>``).
+PLAN_DIR_HASH_CHARS = 16
 #: Full scale of 16-bit audio: samples are ``int16 / 32768`` as float32 (libsndfile's reading).
 _PCM16_SCALE = 32768.0
 
@@ -258,6 +261,17 @@ def _check_params(
         raise DataError(f"sample_rate must be positive, got {sample_rate}. Fix: e.g. 8000.")
 
 
+def _remove_flat_layout(out_dir: Path) -> None:
+    """Delete what earlier generators left in ``out_dir`` itself: version 1's wavs
+    (gigabytes at scale) and manifests, and the plans and stamp that version 2 wrote there
+    before plans had a subfolder per parameter set."""
+    shutil.rmtree(out_dir / "wavs", ignore_errors=True)
+    (out_dir / ".done").unlink(missing_ok=True)
+    for split in SPLITS:
+        (out_dir / f"{split}.csv").unlink(missing_ok=True)
+        (out_dir / f"{split}{PLAN_SUFFIX}").unlink(missing_ok=True)
+
+
 def _params_hash(params: dict) -> str:
     text = json.dumps(params, sort_keys=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -410,13 +424,18 @@ def prepare_connected_digits(
     drawn from the same FSDD split (see ``split_fsdd``), separated by silences of a random
     length in ``silence_seconds``. ``ConnectedDigitsDataset`` builds the audio from a plan.
 
-    Safe to re-run: if ``out_dir/.done`` holds the hash of the same parameters, nothing is
-    regenerated. The stamp is written last, so an interrupted run is redone. Wavs and
-    manifests of generator version 1 in ``out_dir`` are deleted.
+    The plans go to a subfolder of ``out_dir`` named after a hash of the parameters
+    (``plans-<hash>``, with a ``params.json`` saying what they are), so runs with other
+    parameters (a sweep's points running at once, or a later run) never delete or replace
+    the plans another run reads. Safe to re-run and to run at once with the same
+    parameters: if the subfolder's ``.done`` stamp is there, nothing is regenerated; else
+    the same bytes are rewritten atomically and the stamp is written last, so an
+    interrupted run is redone. Wavs, manifests and plans that generator version 1 and the
+    flat layout of version 2 left in ``out_dir`` itself are deleted.
 
     Args:
         root: where FSDD is or should be downloaded to (see ``ensure_fsdd``).
-        out_dir: output folder (plans, stamp).
+        out_dir: output folder (the plans go to a subfolder per parameter set).
         num_utterances: utterances per split; splits left out or set to 0 get no plan.
         min_digits: fewest recordings per utterance.
         max_digits: most recordings per utterance.
@@ -431,26 +450,25 @@ def prepare_connected_digits(
     num_utterances = {split: int(n) for split, n in dict(num_utterances).items()}
     silence_seconds = (float(silence_seconds[0]), float(silence_seconds[1]))
     _check_params(num_utterances, min_digits, max_digits, silence_seconds, sample_rate)
-    out_dir = Path(out_dir).absolute()
+    params = {
+        "fsdd_version": FSDD_VERSION,
+        "generator_version": GENERATOR_VERSION,
+        "num_utterances": num_utterances,
+        "min_digits": min_digits,
+        "max_digits": max_digits,
+        "silence_seconds": list(silence_seconds),
+        "seed": seed,
+        "sample_rate": sample_rate,
+    }
+    params_hash = _params_hash(params)
+    plan_dir = Path(out_dir).absolute() / f"plans-{params_hash[:PLAN_DIR_HASH_CHARS]}"
     paths = {
-        split: out_dir / f"{split}{PLAN_SUFFIX}"
+        split: plan_dir / f"{split}{PLAN_SUFFIX}"
         for split in SPLITS
         if num_utterances.get(split, 0) > 0
     }
 
-    stamp = out_dir / ".done"
-    params_hash = _params_hash(
-        {
-            "fsdd_version": FSDD_VERSION,
-            "generator_version": GENERATOR_VERSION,
-            "num_utterances": num_utterances,
-            "min_digits": min_digits,
-            "max_digits": max_digits,
-            "silence_seconds": list(silence_seconds),
-            "seed": seed,
-            "sample_rate": sample_rate,
-        }
-    )
+    stamp = plan_dir / ".done"
     if (
         stamp.is_file()
         and stamp.read_text(encoding="utf-8").strip() == params_hash
@@ -460,12 +478,9 @@ def prepare_connected_digits(
         return paths
 
     recordings = ensure_fsdd(root, download=download)
-    stamp.unlink(missing_ok=True)
-    # Plans of other parameters, and version 1's wavs (gigabytes at scale), must not linger.
-    shutil.rmtree(out_dir / "wavs", ignore_errors=True)
-    for split in SPLITS:
-        (out_dir / f"{split}.csv").unlink(missing_ok=True)
-        (out_dir / f"{split}{PLAN_SUFFIX}").unlink(missing_ok=True)
+    _remove_flat_layout(plan_dir.parent)
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(plan_dir / "params.json", json.dumps(params, indent=2) + "\n")
     splits = split_fsdd(fsdd_utterances(recordings))
     used = [utt.id for split in paths for utt in splits[split]]
     bank = RecordingBank.load(recordings, used, sample_rate)  # exact lengths at sample_rate

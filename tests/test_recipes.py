@@ -282,7 +282,8 @@ def test_connected_digits_run_reports_wer(tmp_path, fsdd_root, fsdd_recordings):
     )
     results = train(cfg)
     assert set(results["test_metrics"]) == {"loss", "CER", "WER"}
-    plans = read_plan(tmp_path / "prep" / "test.plan.jsonl")
+    (plans_path,) = (tmp_path / "prep").glob("plans-*/test.plan.jsonl")
+    plans = read_plan(plans_path)
     assert len(plans) == 4 and all(2 <= len(p.transcript.split()) <= 7 for p in plans)
     assert not list((tmp_path / "prep").rglob("*.wav"))  # audio is built on the fly
     (transcript,) = trained_model(cfg).label([fsdd_recordings / "3_theo_0.wav"])

@@ -34,7 +34,7 @@ SPLIT_INDICES = {
     "valid": set(VALID_INDICES),
     "train": set(range(10, 50)),
 }
-PLAN_FILES = {"train.plan.jsonl", "valid.plan.jsonl", "test.plan.jsonl", ".done"}
+PLAN_FILES = {"train.plan.jsonl", "valid.plan.jsonl", "test.plan.jsonl", ".done", "params.json"}
 
 #: sha256 over (id, transcript, float32 samples) of the first 4 utterances per split, seed
 #: 1234, as the wav files of generator version 1 held them (read back with soundfile).
@@ -238,8 +238,9 @@ def test_tens_of_hours_prepare_in_seconds_into_megabytes(fsdd_root: Path, tmp_pa
         download=False,
     )
     seconds = time.perf_counter() - start
-    assert {p.name for p in tmp_path.rglob("*")} == PLAN_FILES  # no audio written
-    assert sum(p.stat().st_size for p in tmp_path.iterdir()) < 20e6  # 11.5 MB measured
+    (plan_dir,) = tmp_path.iterdir()
+    assert {p.name for p in plan_dir.rglob("*")} == PLAN_FILES  # no audio written
+    assert sum(p.stat().st_size for p in plan_dir.iterdir()) < 20e6  # 11.5 MB measured
     train = read_plan(paths["train"])
     assert len(train) == 50_000 and len({utt.id for utt in train}) == 50_000
     assert sum(utt.duration for utt in train) / 3600 > 30  # 34.7 h measured
@@ -254,7 +255,8 @@ def test_stamp_skips_rerun_and_changes_regenerate(
 ) -> None:
     params = {"num_utterances": {"valid": 2}, "download": False}
     first = prepare_connected_digits(fsdd_root, tmp_path, **params)
-    assert (tmp_path / ".done").is_file()
+    plan_dir = first["valid"].parent
+    assert plan_dir.parent == tmp_path and (plan_dir / ".done").is_file()
 
     def fail(*args, **kwargs):
         raise AssertionError("regenerated although the stamp matches")
@@ -266,13 +268,67 @@ def test_stamp_skips_rerun_and_changes_regenerate(
         prepare_connected_digits(tmp_path / "no_fsdd_here", tmp_path, **params)
 
     before = first["valid"].read_text()
-    # What generator version 1 left behind: wavs and manifests.
+    # What generator version 1 left behind (wavs and manifests), and version 2's flat plans.
     (tmp_path / "wavs" / "valid").mkdir(parents=True)
     (tmp_path / "wavs" / "valid" / "valid_00000_theo.wav").write_bytes(b"RIFF")
     (tmp_path / "valid.csv").write_text("id,path,duration,transcript,speaker\n")
-    prepare_connected_digits(fsdd_root, tmp_path, seed=99, **params)
-    assert first["valid"].read_text() != before and len(read_plan(first["valid"])) == 2
-    assert {p.name for p in tmp_path.iterdir()} == {"valid.plan.jsonl", ".done"}
+    (tmp_path / "valid.plan.jsonl").write_text(before)
+    (tmp_path / ".done").write_text("0" * 64 + "\n")
+    other = prepare_connected_digits(fsdd_root, tmp_path, seed=99, **params)
+    assert other["valid"].read_text() != before and len(read_plan(other["valid"])) == 2
+    # other parameters, another folder: the first plans are still there, unchanged
+    assert other["valid"].parent != plan_dir and first["valid"].read_text() == before
+    assert {p.name for p in tmp_path.iterdir()} == {plan_dir.name, other["valid"].parent.name}
+    assert {p.name for p in other["valid"].parent.iterdir()} == {
+        "valid.plan.jsonl",
+        ".done",
+        "params.json",
+    }
+
+
+def test_preparations_running_at_once_never_break_each_others_plans(
+    fsdd_root: Path, tmp_path: Path
+) -> None:
+    """A sweep's points prepare into one ``data.prepared_dir`` at once (a parallel
+    launcher): with the same parameters or others, none deletes or replaces the plans that
+    another has prepared and is about to read."""
+    import threading
+
+    params = [
+        {"num_utterances": {"valid": 3, "test": 2}, "seed": seed, "download": False}
+        for seed in (1, 1, 2, 3)
+    ]
+    expected = {
+        seed: {
+            split: path.read_bytes()
+            for split, path in prepare_connected_digits(
+                fsdd_root, tmp_path / f"alone_{seed}", **kwargs
+            ).items()
+        }
+        for seed, kwargs in ((p["seed"], p) for p in params)
+    }
+    shared = tmp_path / "shared"
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(params))
+
+    def prepare_and_read(kwargs: dict) -> None:
+        try:
+            for _ in range(5):
+                barrier.wait(timeout=60)
+                paths = prepare_connected_digits(fsdd_root, shared, **kwargs)
+                barrier.wait(timeout=60)  # everybody prepared: now all of them read
+                read = {split: path.read_bytes() for split, path in paths.items()}
+                assert read == expected[kwargs["seed"]], f"seed {kwargs['seed']} read others'"
+        except BaseException as error:  # noqa: BLE001 (reported by the main thread)
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=prepare_and_read, args=(p,)) for p in params]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
 
 
 def test_bad_parameters(fsdd_root: Path, tmp_path: Path) -> None:
