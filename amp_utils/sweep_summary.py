@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,14 @@ from amp_utils.tensorboard import TENSORBOARD_DIR, write_sweep_experiment
 
 log = logging.getLogger(__name__)
 
+JOB_STATUS_FILE = "job_status.json"  # in a job folder: how the job's last attempt went
+MULTIRUN_ID_FILE = ".multirun_id"  # in the sweep folder: the multirun that launched the jobs
 MISSING = "—"
 SPEEDUP_COLUMN = "speed-up vs fp32"
 _LEADING_COLUMNS = ("run", "status", "precision", "device", "processes", "model", "data")
 _PRECISION_ORDER = ("fp32", "fp16", "bf16")
+#: Override keys that choose the precision (the group, or its ``name`` field).
+PRECISION_KEYS = ("precision", "precision.name")
 #: What a collapsed model said to everything (``recipes/error_report.py``), or "no".
 COLLAPSED_COLUMN = "collapsed to"
 _TRAILING_COLUMNS = (
@@ -87,7 +93,18 @@ def _override_value(overrides: list[str], key: str) -> str | None:
 
 def _non_precision_overrides(overrides: list[str]) -> tuple[str, ...]:
     """The overrides other than ``precision=...``, sorted."""
-    return tuple(sorted(o for o in overrides if o.partition("=")[0].lstrip("+") != "precision"))
+    return tuple(
+        sorted(o for o in overrides if o.partition("=")[0].lstrip("+") not in PRECISION_KEYS)
+    )
+
+
+def _precision_override(overrides: list[str]) -> str | None:
+    """The precision an override list asks for (``precision=`` or ``precision.name=``)."""
+    for key in PRECISION_KEYS:
+        value = _override_value(overrides, key)
+        if value is not None:
+            return value
+    return None
 
 
 def _comparison_key(run: dict[str, Any]) -> tuple:
@@ -104,28 +121,51 @@ def _comparison_key(run: dict[str, Any]) -> tuple:
 
 def _sort_key(run: dict[str, Any]) -> tuple:
     """Sort by overrides, keeping runs that differ only in precision together (fp32 first)."""
-    precision = _override_value(run["overrides"], "precision")
+    precision = _precision_override(run["overrides"])
     if precision is None and run["results"] is not None:
         precision = run["results"].precision
     rank = _PRECISION_ORDER.index(precision) if precision in _PRECISION_ORDER else 99
     return (_non_precision_overrides(run["overrides"]), rank, str(precision), run["name"])
 
 
-def _collect_runs(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One entry per job folder: its name, overrides and results (``None`` if failed)."""
+def _job_status(job_dir: Path) -> dict[str, Any]:
+    """A job folder's ``job_status.json`` (``recipes/run_folder.py``), ``{}`` if none."""
+    try:
+        status = json.loads((job_dir / JOB_STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def _collect_runs(sweep_dir: Path, multirun: str | None = None) -> list[dict[str, Any]]:
+    """One entry per job folder: its name, overrides and results (``None`` if failed).
+
+    With ``multirun`` (the id a multirun wrote into the sweep folder), only the jobs that
+    multirun launched, as its jobs recorded in ``job_status.json``: a job whose attempt
+    failed, or was killed (still ``running``), counts as failed even where an earlier
+    attempt's ``results.json`` is in its folder.
+    """
     job_dirs = {
         overrides_file.parent.parent
         for overrides_file in sweep_dir.rglob("overrides.yaml")
         if overrides_file.parent.name == ".hydra"
     }
+    statuses = {job_dir: _job_status(job_dir) for job_dir in job_dirs}
+    if multirun is not None:
+        job_dirs = {d for d in job_dirs if statuses[d].get("multirun") == multirun}
     results_by_job: dict[Path, RunResults | None] = dict.fromkeys(job_dirs)
     for results_file in sweep_dir.rglob(RESULTS_FILE):
+        job_dir = _job_dir_of(results_file, job_dirs)
+        if job_dir not in results_by_job:  # a job of another multirun
+            continue
+        if multirun is not None and statuses[job_dir].get("status") != "finished":
+            continue  # this attempt failed or was killed: not its results
         try:
             results = RunResults.read(results_file)
         except (OSError, ValueError) as err:
             log.warning("Cannot read %s, counting the run as failed: %s", results_file, err)
             results = None
-        results_by_job[_job_dir_of(results_file, job_dirs)] = results
+        results_by_job[job_dir] = results
 
     runs = []
     for job_dir, results in results_by_job.items():
@@ -181,7 +221,7 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
         row["run"] = run["name"]
         if results is None:
             row["status"] = "failed"
-            row["precision"] = _override_value(run["overrides"], "precision") or MISSING
+            row["precision"] = _precision_override(run["overrides"]) or MISSING
             rows.append(row)
             continue
         row["status"] = "ok"
@@ -240,7 +280,7 @@ def held_out_speakers_markdown(runs: list[dict[str, Any]]) -> str:
             for o in _non_precision_overrides(run["overrides"])
             if o.partition("=")[0].lstrip("+") != "data.test_speakers"
         )
-        key = (str(results.precision), str(results.model), others)
+        key = (precision_label(results), str(results.model), others)
         groups.setdefault(key, []).append((",".join(speakers), results.test_metrics or {}))
     if not groups:
         return ""
@@ -304,6 +344,7 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
         )
         key = (str(results.model), str(results.data), str(results.device), others)
         groups.setdefault((*key, precision_label(results)), {})[seed] = results
+    all_groups = groups  # fp32 references: a single surviving fp32 seed still pairs
     groups = {key: by_seed for key, by_seed in groups.items() if len(by_seed) > 1}
     if not groups:
         return ""
@@ -311,7 +352,9 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
     rows = []
     for key in sorted(groups, key=lambda k: (k[:4], rank.get(k[4].split()[0], 99), k[4])):
         by_seed = groups[key]
-        reference = groups.get((*key[:4], "fp32")) or groups.get((*key[:4], "fp32 (auto)"), {})
+        reference = all_groups.get((*key[:4], "fp32")) or all_groups.get(
+            (*key[:4], "fp32 (auto)"), {}
+        )
         names = [n for n in next(iter(by_seed.values())).test_metrics or {} if n != "loss"]
         row = {
             "model": key[0],
@@ -369,11 +412,14 @@ def format_csv(rows: list[dict[str, str]]) -> str:
     return buffer.getvalue()
 
 
-def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
+def summarize_sweep(sweep_dir: Path, multirun: str | None = None) -> list[dict[str, str]]:
     """Collect a sweep's runs and write ``summary.md`` and ``summary.csv`` into it.
 
     Args:
         sweep_dir: the multirun directory (``hydra.sweep.dir``).
+        multirun: only the jobs of this multirun (the id ``SweepSummaryCallback`` wrote
+            into ``sweep_dir``), each as its ``job_status.json`` says it went; None: every
+            job folder in ``sweep_dir``, by its ``results.json``.
 
     Returns:
         The table rows, sorted by overrides (runs that differ only in precision next to
@@ -384,7 +430,7 @@ def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
         ``collapsed to``); missing values are ``"—"``.
     """
     sweep_dir = Path(sweep_dir)
-    runs = _collect_runs(sweep_dir)
+    runs = _collect_runs(sweep_dir, multirun)
     rows = _build_rows(runs)
     atomic_write_text(
         sweep_dir / "summary.md",
@@ -424,6 +470,22 @@ class SweepSummaryCallback(Callback):
               _target_: amp_utils.sweep_summary.SweepSummaryCallback
     """
 
+    def __init__(self) -> None:
+        self.multirun: str | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write a new id into the sweep folder: each job records it in its
+        ``job_status.json``, and the summary lists the jobs that carry it (a sweep run again
+        into the same folder: this multirun's jobs, as they went this time)."""
+        sweep_dir = Path(config.hydra.sweep.dir)
+        self.multirun = uuid.uuid4().hex
+        try:
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(sweep_dir / MULTIRUN_ID_FILE, self.multirun + "\n")
+        except OSError as err:  # the summary then lists every job folder, as before
+            log.warning("Cannot write %s: %s", sweep_dir / MULTIRUN_ID_FILE, err)
+            self.multirun = None
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Write ``summary.md``/``summary.csv`` into ``hydra.sweep.dir`` and print the table.
 
@@ -437,7 +499,7 @@ class SweepSummaryCallback(Callback):
             log.warning("Sweep directory %s does not exist; no summary written", sweep_dir)
             return
         try:
-            rows = summarize_sweep(sweep_dir)
+            rows = summarize_sweep(sweep_dir, self.multirun)
         except Exception as err:  # Hydra would only warn: the sweep must not look fine
             raise SystemExit(
                 f"error: the sweep summary could not be written ({type(err).__name__}: {err}); "

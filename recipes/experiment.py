@@ -54,8 +54,11 @@ from recipes.preflight import preflight, run_options
 from recipes.run_folder import (
     LABELS_FILE,
     RunFolder,
+    check_run_overrides,
     finished_message,
     finished_results,
+    hydra_task_overrides,
+    override_dirname_excludes,
     planned_epochs,
 )
 from recipes.task import RunLabels
@@ -174,12 +177,8 @@ def seed_everything(seed: int) -> None:
 
 
 def _overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        return list(HydraConfig.get().overrides.task)
-    except ValueError:  # composed outside @hydra.main (tests, notebooks)
-        return []
+    """The command's overrides; none when composed outside ``@hydra.main`` (tests)."""
+    return hydra_task_overrides() or []
 
 
 def sweep_objective(cfg: DictConfig, results: dict[str, Any]) -> float:
@@ -294,6 +293,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start = time.time()
     reset_emulation_warnings()  # each run's log says it, a sweep's later jobs' too
     preflight(cfg)
+    overrides = hydra_task_overrides()
+    if overrides is not None:  # a sweep's job folder, or a fixed one, of other overrides?
+        from hydra.core.hydra_config import HydraConfig
+
+        excludes = override_dirname_excludes(HydraConfig.get())
+        check_run_overrides(Path(cfg.output_dir), overrides, excludes)
     finished = finished_results(Path(cfg.output_dir), cfg.trainer)
     if finished is not None:
         # To the console only: in a sweep the job's log file is open, and a finished run's

@@ -22,11 +22,12 @@ sweep goes on with its other jobs (``recipes/train.py``).
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import logging.handlers
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,93 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from amp_utils.atomic import atomic_write_text
 from amp_utils.run_results import RESULTS_FILE, RunResults
+from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_FILE
+from recipes.config import ConfigError
 from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
 
 logger = logging.getLogger(__name__)
 
 LABELS_FILE = "labels.json"  # the task and its speaker names, for inference
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"  # the config with every interpolation resolved
+#: The command-line overrides of the run's sessions (the last one's): what the folder holds.
+RUN_OVERRIDES_FILE = "run_overrides.yaml"
+
+
+def _parsed_overrides(overrides: Sequence[str], exclude_keys: Collection[str]) -> dict[str, Any]:
+    """``key -> value`` of Hydra overrides, values parsed (``1e-3`` equals ``0.001``);
+    Hydra's own keys (``hydra.*``, ``hydra/...``) and ``exclude_keys`` left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group + (f"@{override.package}" if override.package else "")
+        if key in exclude_keys or key.startswith(("hydra.", "hydra/")) or key == "hydra":
+            continue
+        parsed[key] = None if override.is_delete() else override.value()
+    return parsed
+
+
+def recorded_overrides(run_dir: Path) -> list[str] | None:
+    """The overrides of the run in ``run_dir``: ``run_overrides.yaml``, else (a run from
+    before that file) its ``results.json``'s; None when the folder records none."""
+    try:
+        recorded = OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES_FILE))
+    except (OSError, ValueError):
+        recorded = None
+    if recorded is None:
+        try:
+            recorded = RunResults.read(run_dir / RESULTS_FILE).overrides
+        except (OSError, ValueError):
+            return None
+    return [str(item) for item in recorded] if isinstance(recorded, list) else None
+
+
+def check_run_overrides(
+    run_dir: Path, overrides: Sequence[str], exclude_keys: Collection[str]
+) -> None:
+    """Refuse to resume, extend or report a run of other overrides than this command's.
+
+    A run folder is named after its overrides (``hydra.job.override_dirname``), so two
+    commands that share one differ only in ``exclude_keys`` (``trainer.epochs`` and the
+    like). A fixed folder (``hydra.run.dir=PATH``, or a sweep run again into the same
+    ``hydra.sweep.dir`` with other fixed values) breaks that: the run would resume another
+    configuration's checkpoint, or its finished results would be reported as this one's.
+
+    Raises:
+        ConfigError: naming each key whose value differs, and the fix.
+    """
+    recorded = recorded_overrides(run_dir)
+    if recorded is None:
+        return
+    there = _parsed_overrides(recorded, exclude_keys)
+    now = _parsed_overrides(overrides, exclude_keys)
+    differences = [
+        f"{key}: {_shown(there, key)} there, {_shown(now, key)} now"
+        for key in sorted(there.keys() | now.keys())
+        if there.get(key, _UNSET) != now.get(key, _UNSET)
+    ]
+    if differences:
+        raise ConfigError(
+            f"The run folder {run_dir} holds a run of other overrides ({'; '.join(differences)})."
+            " Resuming it would mix two configurations, and its results are not this "
+            "command's. Fix: give this command its own folder (hydra.run.dir=PATH, or a new "
+            "hydra.sweep.dir for -m), or repeat that run's overrides to continue it."
+        )
+
+
+_UNSET = object()
+
+
+def _shown(overrides: dict[str, Any], key: str) -> str:
+    return repr(overrides[key]) if key in overrides else "not set"
+
+
+def override_dirname_excludes(hydra_cfg: DictConfig) -> list[str]:
+    """The keys left out of run folder names (``hydra.job.config.override_dirname``)."""
+    keys = OmegaConf.select(hydra_cfg, "job.config.override_dirname.exclude_keys", default=[])
+    return [str(key) for key in keys or []]
 
 
 def planned_epochs(trainer: Any) -> int:
@@ -139,6 +220,11 @@ class RunFolderCallback(Callback):
         run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         try:
             preflight(task_cfg)
+            check_run_overrides(
+                run_dir,
+                list(config.hydra.overrides.task),
+                override_dirname_excludes(config.hydra),
+            )
         except USER_ERRORS as err:
             sys.exit(f"error: {err}")
         results = finished_results(run_dir, task_cfg.trainer)
@@ -203,6 +289,11 @@ class RunFolder:
         if write_files:
             self.path.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, self.path / RESOLVED_CONFIG_FILE, resolve=True)
+            overrides = hydra_task_overrides()
+            if overrides is not None:  # what check_run_overrides compares a later command with
+                atomic_write_text(
+                    self.path / RUN_OVERRIDES_FILE, OmegaConf.to_yaml(OmegaConf.create(overrides))
+                )
             if self._taken is not None and self._taken.output_subdir is not None:
                 self._write_hydra_files(cfg)
         if self._buffer is not None:
@@ -255,21 +346,100 @@ def run_job(job: Callable[[], float]) -> float:
 
     A single run exits with ``error: ...`` (status 1). A job of a ``-m`` sweep outside DDP
     that fails, with bad input or a crash, ends alone: the error goes to its ``train.log``
-    (a crash with its traceback) and the job returns NaN (to Optuna: a failed trial); the
-    sweep goes on, and its summary lists the job as failed (``SweepSummaryCallback``).
+    (a crash with its traceback) and the job returns the worst value for the sweeper's
+    direction (``failed_job_value``); the sweep goes on, and its summary lists the job as
+    failed (``SweepSummaryCallback``). A sweep job records how it went in its folder's
+    ``job_status.json`` (``JobStatus``), for the summary of the multirun that launched it.
     """
+    status = JobStatus.for_this_job()
+    status.write("running")
     try:
-        return job()
+        value = job()
+        status.write("finished")
+        return value
     except USER_ERRORS as err:  # bad input: one line, no traceback, printed once
         log_to_files(logging.ERROR, f"{type(err).__name__}: {err}")  # the run's train.log
+        status.write("failed", f"{type(err).__name__}: {err}")
         if not in_single_process_sweep():
             sys.exit(f"error: {err}")
         print(f"error: {err}\n(this sweep job failed; the sweep goes on)", file=sys.stderr)
-    except Exception:
+    except Exception as err:
+        status.write("failed", f"{type(err).__name__}: {err}")
         if not in_single_process_sweep():
             raise
         logger.exception("This sweep job failed; the sweep goes on.")
-    return float("nan")
+    return failed_job_value()
+
+
+def failed_job_value() -> float:
+    """What a failed sweep job returns: the worst value for the sweeper's direction (``inf``
+    when it minimises, ``-inf`` when it maximises), else NaN.
+
+    The Optuna sweeper (hydra-optuna-sweeper 1.2) tells Optuna a NaN as a completed trial,
+    which Optuna refuses, and then as a failed one with a value, which it refuses too: the
+    whole study stopped at the first failed trial, without its summary. An infinite value
+    is a completed trial as bad as can be, and the search goes on.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    direction = sweeper_direction(HydraConfig.get().sweeper) if HydraConfig.initialized() else None
+    if direction is None:
+        return float("nan")
+    return float("-inf") if direction.lower() == "maximize" else float("inf")
+
+
+@dataclass
+class JobStatus:
+    """A sweep job's ``job_status.json``: the multirun that launched it (the id that
+    ``SweepSummaryCallback`` wrote into the sweep folder), and ``running``, ``finished`` or
+    ``failed`` (with the error). A job killed outside Python stays ``running``.
+
+    The summary of a sweep run again into the same folder thus lists the jobs it launched
+    and how they went this time: not a job of an earlier sweep, nor an earlier attempt's
+    ``results.json`` as this attempt's. Only a sweep job's rank 0 writes one (``path``
+    None: nothing is written).
+    """
+
+    path: Path | None
+    multirun: str | None
+
+    @classmethod
+    def for_this_job(cls) -> JobStatus:
+        """The status file of this process's sweep job; a no-op one outside sweeps."""
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return cls(None, None)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return cls(None, None)
+        hydra_cfg = HydraConfig.get()
+        try:
+            multirun = (Path(hydra_cfg.sweep.dir) / MULTIRUN_ID_FILE).read_text().strip()
+        except OSError:
+            multirun = None
+        return cls(Path(hydra_cfg.runtime.output_dir) / JOB_STATUS_FILE, multirun)
+
+    def write(self, status: str, error: str | None = None) -> None:
+        """Record ``status`` (atomically; a status that cannot be written is a warning)."""
+        if self.path is None:
+            return
+        record = {"multirun": self.multirun, "status": status, "error": error}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, json.dumps(record, indent=2) + "\n")
+        except OSError as err:
+            logger.warning("Cannot write %s: %s", self.path, err)
+
+
+def hydra_task_overrides() -> list[str] | None:
+    """The command's overrides under ``@hydra.main`` (None when composed otherwise: tests,
+    notebooks)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return [str(item) for item in HydraConfig.get().overrides.task]
 
 
 def in_single_process_sweep() -> bool:

@@ -78,3 +78,30 @@ def test_a_sweeper_tuning_the_wrong_way_is_refused_before_its_first_trial(tmp_pa
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "error: hydra.sweeper.direction=maximize but model=conformer_ctc" in result.stderr
     assert not sweep_dir.exists()
+
+
+def test_an_optuna_search_goes_on_past_failed_trials(tmp_path, fsdd_root):
+    """A failed trial (here refused: dropout 1.5) returned NaN, which the Optuna sweeper
+    (1.2) tells Optuna in two ways it refuses: the whole study stopped at the first
+    failed trial, without the trials left or the summary. A failed trial is now the worst
+    value for the direction, and the search goes on."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        [
+            "-m",
+            "model=xvector",
+            "hparams_search=speaker_optuna",
+            "hydra.sweeper.n_trials=2",
+            "model.dropout=choice(1.5,2.5)",  # both refused before any training
+            *FAST,
+            f"data.root={fsdd_root}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        fsdd_root,
+    )
+    assert "Values cannot be specified" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 1 and "2 of 2 sweep jobs failed" in result.stderr
+    rows = (sweep_dir / "summary.md").read_text()
+    assert rows.count("| failed |") == 2

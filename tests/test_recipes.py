@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from amp_utils import Checkpointer
 from amp_utils.checkpoint import read_state
 from amp_utils.run_results import RunResults
+from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_FILE
 from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
 from data.text import DIGIT_WORDS, CharTokenizer
@@ -478,6 +479,7 @@ def cli_args(prepared: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
         *FAST,
         "trainer.epochs=2",
+        "data.download=false",
         f"data.prepared_dir={prepared}",
         f"hydra.run.dir={run_dir}",
         *extra,
@@ -543,7 +545,6 @@ def test_rerunning_a_finished_run_changes_nothing(cli_run, fsdd_root, prepared_d
                 "trainer.epochs=3",
                 "trainer.debug_epochs=3",
                 "data.root=/nowhere",
-                "data.download=false",
             ],
             "FSDD v1.0.10 recordings not found",
         ),
@@ -815,7 +816,8 @@ def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
 
 def test_rerunning_a_finished_sweep_changes_no_file(fsdd_root, prepared_digits, tmp_path):
     """The job's train.log gained the "has finished" line and the sweep's HParams event
-    file was deleted and written anew under another name."""
+    file was deleted and written anew under another name. What changes is the sweep's
+    bookkeeping: the new multirun's id, and the job's record of its new attempt."""
     sweep = tmp_path / "sweep"
     args = [
         "-m",
@@ -828,11 +830,59 @@ def test_rerunning_a_finished_sweep_changes_no_file(fsdd_root, prepared_digits, 
     ]
     first = run_cli("train.py", args, fsdd_root)
     assert first.returncode == 0, first.stderr[-3000:]
-    before = snapshot(sweep)
+    bookkeeping = (MULTIRUN_ID_FILE, JOB_STATUS_FILE)
+    before = {k: v for k, v in snapshot(sweep).items() if not k.endswith(bookkeeping)}
     again = run_cli("train.py", args, fsdd_root)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "has finished" in again.stdout + again.stderr
-    assert snapshot(sweep) == before
+    assert {k: v for k, v in snapshot(sweep).items() if not k.endswith(bookkeeping)} == before
+    multirun = (sweep / MULTIRUN_ID_FILE).read_text().strip()
+    (status,) = sweep.glob(f"*/{JOB_STATUS_FILE}")
+    assert json.loads(status.read_text())["multirun"] == multirun
+    assert json.loads(status.read_text())["status"] == "finished"
+
+
+def test_a_folder_of_a_run_with_other_overrides_is_neither_resumed_nor_reported(
+    fsdd_root, prepared_digits, tmp_path
+):
+    """A sweep run again into its folder with another fixed value (model.lr): each job
+    reported the first sweep's results as its own ("has finished", exit 0), and with more
+    epochs it would have resumed the other configuration's checkpoint. A single run into a
+    fixed folder the same. Both are refused, naming the key, and leave the run as it was;
+    what the folder name leaves out (trainer.epochs) may still change."""
+    sweep = tmp_path / "sweep"
+    common = [
+        "-m",
+        "precision=fp32",
+        *FAST,
+        "trainer.epochs=1",
+        "trainer.debug_epochs=1",
+        f"data.prepared_dir={prepared_digits}",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=job${hydra.job.num}",  # as a swept key's values would name it
+    ]
+    first = run_cli("train.py", [*common, "model.lr=1e-3"], fsdd_root)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (job,) = (p.parent for p in sweep.glob("*/results.json"))
+    results = json.loads((job / "results.json").read_text())
+    checkpoints = snapshot(job / "checkpoints")
+    again = run_cli("train.py", [*common, "model.lr=0.002"], fsdd_root)
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert "model.lr: 0.001 there, 0.002 now" in (job / "train.log").read_text()
+    assert json.loads((job / "results.json").read_text()) == results  # the first run's
+    assert snapshot(job / "checkpoints") == checkpoints
+    assert [row["status"] for row in read_csv(sweep / "summary.csv")] == ["failed"]
+
+    run = sweep / "single"
+    single = ["precision=fp32", *FAST, "trainer.epochs=1", "trainer.debug_epochs=1"]
+    single += [f"data.prepared_dir={prepared_digits}", f"hydra.run.dir={run}"]
+    assert run_cli("train.py", [*single, "model.lr=1e-3"], fsdd_root).returncode == 0
+    before = snapshot(run)
+    refused = run_cli("train.py", [*single, "model.lr=0.002"], fsdd_root)
+    assert refused.returncode == 1 and "model.lr: 0.001 there, 0.002 now" in refused.stderr
+    assert snapshot(run) == before
+    same = run_cli("train.py", [*single, "model.lr=0.001", "trainer.epochs=2"], fsdd_root)
+    assert same.returncode == 0 and "has finished" in same.stdout  # debug_epochs=1 done
 
 
 def test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback(monkeypatch, caplog):

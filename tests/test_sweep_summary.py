@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from amp_utils.sweep_summary import SweepSummaryCallback, _signed, summarize_sweep
+from amp_utils.sweep_summary import (
+    JOB_STATUS_FILE,
+    MULTIRUN_ID_FILE,
+    SweepSummaryCallback,
+    _signed,
+    summarize_sweep,
+)
 
 SPEEDS = {"fp32": 100.0, "fp16": 180.0, "bf16": 150.0}
 
@@ -322,3 +328,91 @@ def test_a_sweep_over_seeds_gets_means_spreads_and_paired_differences_from_fp32(
         _write_job(single, f"{seed}", overrides, _results("fp32", overrides))
     summarize_sweep(single)  # each group (its own epochs) has one seed
     assert "Over seeds" not in (single / "summary.md").read_text()
+
+
+def _write_status(sweep_dir: Path, name: str, multirun: str | None, status: str) -> None:
+    """The ``job_status.json`` that a sweep job's ``run_job`` writes."""
+    record = {"multirun": multirun, "status": status, "error": None}
+    (sweep_dir / name / JOB_STATUS_FILE).write_text(json.dumps(record))
+
+
+def test_a_sweep_run_again_lists_its_own_jobs_as_they_went_this_time(tmp_path: Path) -> None:
+    """A sweep run again into its folder: a job whose new attempt failed (or was killed)
+    was listed as ok with the earlier attempt's results, and the exit status said all was
+    well; jobs of an earlier sweep in the folder were listed beside this one's."""
+    for index, precision in enumerate(("fp32", "bf16", "fp16")):
+        overrides = [f"precision={precision}"]
+        _write_job(tmp_path, f"{index}", overrides, _results(precision, overrides))
+    _write_job(tmp_path, "9_old", ["precision=fp16", "seed=9"], None)  # an earlier sweep's
+    _write_status(tmp_path, "0", "this", "finished")  # finished already, or trained now
+    _write_status(tmp_path, "1", "this", "failed")  # the extension failed
+    _write_status(tmp_path, "2", "this", "running")  # killed
+    _write_status(tmp_path, "9_old", "earlier", "failed")
+    rows = {row["run"]: row["status"] for row in summarize_sweep(tmp_path, "this")}
+    assert rows == {"0": "ok", "1": "failed", "2": "failed"}
+    every = {row["run"]: row["status"] for row in summarize_sweep(tmp_path)}  # no multirun
+    assert every == {"0": "ok", "1": "ok", "2": "ok", "9_old": "failed"}
+
+
+def test_the_callback_summarizes_the_jobs_of_its_own_multirun(tmp_path: Path, capsys) -> None:
+    callback = SweepSummaryCallback()
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}})
+    callback.on_multirun_start(config)
+    multirun = (tmp_path / "sweep" / MULTIRUN_ID_FILE).read_text().strip()
+    assert multirun == callback.multirun and len(multirun) == 32
+    _write_job(tmp_path / "sweep", "0", ["precision=fp32"], _results("fp32", []))
+    _write_status(tmp_path / "sweep", "0", multirun, "finished")
+    _write_job(tmp_path / "sweep", "1", ["precision=bf16"], _results("bf16", []))
+    _write_status(tmp_path / "sweep", "1", "an earlier one", "finished")
+    callback.on_multirun_end(config)
+    assert [r["run"] for r in read_summary_csv(tmp_path / "sweep")] == ["0"]
+
+
+def read_summary_csv(sweep_dir: Path) -> list[dict[str, str]]:
+    with (sweep_dir / "summary.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_sweep_over_precision_name_pairs_with_fp32(tmp_path: Path) -> None:
+    """``-m precision.name=fp32,bf16`` composes what ``precision=...`` does; only the key
+    ``precision`` was recognised, so bf16 had no fp32 run to be compared with."""
+    for index, (precision, seed) in enumerate([("fp32", 1), ("bf16", 1), ("fp32", 2), ("bf16", 2)]):
+        overrides = [f"precision.name={precision}", f"seed={seed}"]
+        _write_job(tmp_path, f"{index}", overrides, _results(precision, overrides, CER=1.0))
+    rows = summarize_sweep(tmp_path)
+    assert [row["precision"] for row in rows] == ["fp32", "bf16", "fp32", "bf16"]
+    assert [row["speed-up vs fp32"] for row in rows] == ["1.00x", "1.50x"] * 2
+    section = (tmp_path / "summary.md").read_text().split("## Over seeds", 1)[1]
+    bf16 = next(line for line in section.splitlines() if "| bf16 |" in line)
+    assert "+0.00 [+0.00, +0.00]" in bf16 and "| 1.50x |" in bf16
+
+
+def test_over_seeds_a_single_surviving_fp32_seed_still_pairs(tmp_path: Path) -> None:
+    """fp32's seed 2 failed: its one-seed group was dropped before bf16 looked up its
+    reference, so bf16's seed 1 lost its pair."""
+    for index, (precision, seed, cer) in enumerate(
+        [("fp32", 1, 3.0), ("bf16", 1, 3.5), ("bf16", 2, 4.0)]
+    ):
+        overrides = [f"precision={precision}", f"seed={seed}"]
+        _write_job(tmp_path, f"{index}", overrides, _results(precision, overrides, CER=cer))
+    _write_job(tmp_path, "3", ["precision=fp32", "seed=2"], None)
+    summarize_sweep(tmp_path)
+    section = (tmp_path / "summary.md").read_text().split("## Over seeds", 1)[1]
+    bf16 = next(line for line in section.splitlines() if "| bf16 |" in line)
+    assert "+0.50 [+0.50]" in bf16 and "| 1.50x |" in bf16
+
+
+def test_held_out_speakers_keep_auto_runs_apart_from_fp32_runs(tmp_path: Path) -> None:
+    """``precision=fp32,auto`` with auto choosing fp32: one mean of 4 mixed both."""
+    for index, (asked, speaker) in enumerate(
+        [("fp32", "george"), ("fp32", "jackson"), ("auto", "george"), ("auto", "jackson")]
+    ):
+        overrides = [f"precision={asked}", f"data.test_speakers=[{speaker}]"]
+        results = _results("fp32", overrides, WER=10.0 * (index + 1))
+        results["precision_requested"] = asked
+        results["dataset"] = {"test_speakers": [speaker]}
+        _write_job(tmp_path, f"{index}", overrides, results)
+    summarize_sweep(tmp_path)
+    held_out = (tmp_path / "summary.md").read_text().split("## Held-out speakers", 1)[1]
+    assert "conformer_ctc, fp32:" in held_out and "conformer_ctc, fp32 (auto):" in held_out
+    assert held_out.count("| mean of 2 |") == 2 and "mean of 4" not in held_out
