@@ -7,6 +7,8 @@ bad file in a 3000-file dataset is found in seconds, not from a stack trace.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +19,8 @@ import torchaudio
 
 from data.errors import AudioError
 from data.manifest import Utterance
+
+logger = logging.getLogger(__name__)
 
 _SKIP_HINT = "or set data.skip_bad_files=true to skip bad files"
 
@@ -135,7 +139,10 @@ def check_audio_files(
     """Validate the header of every utterance's audio file before training starts.
 
     A bad file found mid-epoch would crash a run hours in; reading headers up front costs
-    a second for thousands of files.
+    a second for thousands of files. The headers also give each utterance's exact
+    duration (frames / sample rate), which replaces the manifest's: the collate pads to
+    the real sample count, so a rounded manifest duration (0.01 s) would put an utterance
+    past its bucket's edge (a batch over the budget, one more padded shape to compile).
 
     Args:
         utterances: the utterances to check.
@@ -143,20 +150,32 @@ def check_audio_files(
             first bad file.
 
     Returns:
-        ``(good_utterances, skipped)`` where ``skipped`` lists ``(path, reason)`` pairs.
+        ``(good_utterances, skipped)`` where ``good_utterances`` carry the durations read
+        from their headers and ``skipped`` lists ``(path, reason)`` pairs.
 
     Raises:
         AudioError: on the first bad file when ``skip_bad_files`` is False.
     """
     good: list[Utterance] = []
     skipped: list[tuple[str, str]] = []
+    differed = 0
     for utt in utterances:
         try:
-            audio_info(utt.path)
+            frames, sample_rate = audio_info(utt.path)
         except AudioError as err:
             if not skip_bad_files:
                 raise
             skipped.append((utt.path, str(err)))
-        else:
-            good.append(utt)
+            continue
+        duration = frames / sample_rate
+        if abs(utt.duration - duration) > 1 / sample_rate:  # more than one sample off
+            differed += 1
+        good.append(dataclasses.replace(utt, duration=duration))
+    if differed:
+        logger.info(
+            "%d of %d manifest durations differ from their audio files' headers by more than "
+            "a sample (rounded?); the headers' exact durations are used.",
+            differed,
+            len(good),
+        )
     return good, skipped

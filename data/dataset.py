@@ -7,6 +7,7 @@ utterance, instead of inside a DataLoader worker mid-epoch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -17,6 +18,8 @@ from data.audio import load_audio
 from data.errors import DataError
 from data.manifest import Utterance
 from data.text import CharTokenizer, normalize_transcript
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -268,6 +271,10 @@ class PadToBuckets:
     set of batch shapes: what ``torch.compile`` and CUDA graphs need to compile and
     capture each shape once instead of at every step.
 
+    An item longer than the last edge (its duration, which the sampler bucketed by, is
+    shorter than its audio) gets a batch shape of its own; that is logged once per
+    instance (per DataLoader worker) since every such shape is another compile/capture.
+
     Args:
         edges_seconds: the buckets' padded lengths in seconds
             (``DurationBatchSampler.bucket_edges()``).
@@ -280,6 +287,7 @@ class PadToBuckets:
     ) -> None:
         self.edges = sorted({round(edge * sample_rate) for edge in edges_seconds})
         self.token_multiple = token_multiple
+        self._warned_past_last_edge = False
 
     def tokens_for(self, longest: int) -> int:
         """The padded length of token sequences whose longest has ``longest`` tokens."""
@@ -290,6 +298,16 @@ class PadToBuckets:
         for edge in self.edges:
             if edge >= longest:
                 return edge
+        if not self._warned_past_last_edge:
+            self._warned_past_last_edge = True
+            logger.warning(
+                "An item of %d samples is longer than the last bucket edge (%d samples): its "
+                "batch is padded to its own length, a shape outside the buckets (another "
+                "compile/CUDA-graph capture). The durations the sampler bucketed by are "
+                "shorter than the audio; this is logged once.",
+                longest,
+                self.edges[-1] if self.edges else 0,
+            )
         return longest
 
     def __call__(self, items: Sequence[dict[str, Any]]) -> AudioBatch:

@@ -6,7 +6,8 @@ training indices for validation, so the test set stays the official one.
 
 ``ensure_fsdd`` never trusts a partial download: it unpacks into a temporary folder,
 checks the file count and a content checksum, and only then moves the recordings into
-place.
+place. A local copy is found by the 3000 expected file names; other files beside them (a
+user's own takes, macOS ``._*.wav`` metadata) are ignored, never read as FSDD.
 """
 
 from __future__ import annotations
@@ -30,8 +31,21 @@ FSDD_URL = (
     "https://github.com/Jakobovski/free-spoken-digit-dataset/archive/refs/tags/v1.0.10.tar.gz"
 )
 FSDD_SPEAKERS: tuple[str, ...] = ("george", "jackson", "lucas", "nicolas", "theo", "yweweler")
-FSDD_NUM_RECORDINGS = 3000
-#: sha256 over, for each recording in sorted name order, its name (UTF-8) then its bytes.
+#: Digits and recording indices of every speaker: ``{digit}_{speaker}_{index}.wav``.
+FSDD_DIGITS = range(10)
+FSDD_INDICES = range(50)
+#: The release's recording file names, sorted; a copy is complete when all are present.
+FSDD_RECORDING_NAMES: tuple[str, ...] = tuple(
+    sorted(
+        f"{digit}_{speaker}_{index}.wav"
+        for digit in FSDD_DIGITS
+        for speaker in FSDD_SPEAKERS
+        for index in FSDD_INDICES
+    )
+)
+FSDD_NUM_RECORDINGS = len(FSDD_RECORDING_NAMES)  # 3000
+#: sha256 over, for each expected recording (``FSDD_RECORDING_NAMES``) in sorted name
+#: order, its name (UTF-8) then its bytes.
 FSDD_RECORDINGS_SHA256 = "45a9b976ba3397a2fd5c70a9f2e43c34f442a3a6be47392ecfc41174b678f37e"
 
 #: Folder name at the top of the release archive.
@@ -47,14 +61,21 @@ def _candidates(root: Path) -> list[Path]:
     return [root, root / "recordings", root / FSDD_ARCHIVE_DIR / "recordings"]
 
 
-def _count_wavs(folder: Path) -> int:
-    return sum(1 for _ in folder.glob("*.wav")) if folder.is_dir() else 0
+def _expected_present(folder: Path) -> list[Path]:
+    """The expected recordings (``FSDD_RECORDING_NAMES``) in ``folder``, in name order."""
+    if not folder.is_dir():
+        return []
+    return [folder / name for name in FSDD_RECORDING_NAMES if (folder / name).is_file()]
 
 
 def recordings_sha256(recordings_dir: str | Path) -> str:
-    """Content checksum of a recordings folder (see ``FSDD_RECORDINGS_SHA256``)."""
+    """Content checksum of a recordings folder (see ``FSDD_RECORDINGS_SHA256``).
+
+    Only the expected recordings count: extra files beside them do not change it, and a
+    missing or altered recording does.
+    """
     digest = hashlib.sha256()
-    for wav in sorted(Path(recordings_dir).glob("*.wav"), key=lambda p: p.name):
+    for wav in _expected_present(Path(recordings_dir)):
         digest.update(wav.name.encode("utf-8"))
         digest.update(wav.read_bytes())
     return digest.hexdigest()
@@ -68,22 +89,27 @@ def find_fsdd_recordings(root: str | Path) -> Path | None:
     (``free-spoken-digit-dataset-1.0.10/recordings``).
 
     Returns:
-        The first candidate folder holding exactly ``FSDD_NUM_RECORDINGS`` wav files, or
-        ``None`` if there is none.
+        The first candidate folder holding every expected recording
+        (``FSDD_RECORDING_NAMES``; other files beside them are ignored), or ``None`` if
+        there is none.
     """
     for folder in _candidates(Path(root)):
-        if _count_wavs(folder) == FSDD_NUM_RECORDINGS:
+        if len(_expected_present(folder)) == len(FSDD_RECORDING_NAMES):
             return folder
     return None
 
 
 def _not_found(root: Path, problem: str) -> DatasetNotFoundError:
-    looked = ", ".join(str(folder) for folder in _candidates(root))
+    candidates = _candidates(root)
+    looked = ", ".join(str(folder) for folder in candidates)
+    found, folder = max((len(_expected_present(folder)), folder) for folder in candidates)
+    where = f" (in {folder})" if found else ""
     return DatasetNotFoundError(
-        f"FSDD v{FSDD_VERSION} recordings not found: {problem}. Looked for "
-        f"{FSDD_NUM_RECORDINGS} .wav files in {looked}. Fix: set data.root=PATH (or the "
-        f"environment variable FSDD_ROOT=PATH) to a folder holding FSDD's recordings/, or "
-        f"allow the download of {FSDD_URL}."
+        f"FSDD v{FSDD_VERSION} recordings not found: {problem}; found {found} of the "
+        f"{len(FSDD_RECORDING_NAMES)} expected recordings{where}. Looked for "
+        f"{{digit}}_{{speaker}}_{{index}}.wav files in {looked}. Fix: set data.root=PATH (or "
+        f"the environment variable FSDD_ROOT=PATH) to a folder holding FSDD's complete "
+        f"recordings/, or allow the download of {FSDD_URL}."
     )
 
 
@@ -116,16 +142,13 @@ def _unpack_recordings(archive: Path, root: Path) -> Path:
         folders = sorted({staging / Path(m.name).parent for m in members})
         count = len(members)
         checksum = recordings_sha256(folders[0]) if len(folders) == 1 else ""
-        if (
-            len(folders) != 1
-            or count != FSDD_NUM_RECORDINGS
-            or (checksum != FSDD_RECORDINGS_SHA256)
-        ):
+        expected = len(FSDD_RECORDING_NAMES)
+        if len(folders) != 1 or count != expected or checksum != FSDD_RECORDINGS_SHA256:
             archive.unlink(missing_ok=True)
             raise DatasetNotFoundError(
                 f"FSDD archive {archive} does not hold the expected recordings: found "
                 f"{count} .wav files in {len(folders)} recordings folder(s) with checksum "
-                f"{checksum or '-'}, expected {FSDD_NUM_RECORDINGS} in one folder with "
+                f"{checksum or '-'}, expected {expected} in one folder with "
                 f"checksum {FSDD_RECORDINGS_SHA256}. The archive and the partial unpack "
                 f"were deleted. Fix: re-run to download {FSDD_URL} again, or set "
                 "data.root=PATH to a verified copy."
@@ -195,10 +218,11 @@ def fsdd_utterances(recordings_dir: str | Path) -> list[Utterance]:
     """One utterance per FSDD recording, sorted by file name.
 
     The transcript is the digit's word (``"seven"``), the id the file stem; durations
-    come from the file headers.
+    come from the file headers. Only the expected recordings (``FSDD_RECORDING_NAMES``)
+    are read: other files in the folder (a user's own takes) are not FSDD.
     """
     utterances = []
-    for wav in sorted(Path(recordings_dir).absolute().glob("*.wav")):
+    for wav in _expected_present(Path(recordings_dir).absolute()):
         digit, speaker, _ = parse_fsdd_name(wav)
         frames, sample_rate = audio_info(wav)
         utterances.append(

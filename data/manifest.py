@@ -8,6 +8,7 @@ exists) so a bad manifest fails before training with the file and row in the mes
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -49,6 +50,11 @@ MANIFEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Utterance))
 
 def _is_jsonl(path: Path) -> bool:
     return path.suffix.lower() in (".jsonl", ".json")
+
+
+def _is_manifest_suffix(path: Path) -> bool:
+    """Whether ``path`` is named like a manifest (not, say, an audio file given by mistake)."""
+    return path.suffix.lower() in (".csv", ".jsonl", ".json")
 
 
 def _listed(items: list[str]) -> str:
@@ -155,6 +161,46 @@ def _parse_duration(path: Path, line_num: int, value: object) -> float:
     return duration
 
 
+def _read_text(path: Path) -> str:
+    """The manifest's text, decoded as UTF-8; a leading byte order mark is dropped.
+
+    Excel's "CSV UTF-8" starts the file with a BOM, which would otherwise become part of
+    the first column's name. Any other encoding fails naming the file and the first bad
+    byte, instead of a bare ``UnicodeDecodeError``.
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+        offset = err.start + bom
+        hint = "" if _is_manifest_suffix(path) else " (or give the manifest, not this file)"
+        raise ManifestError(
+            f"Manifest {path} is not valid UTF-8: byte {data[offset]:#04x} at byte offset "
+            f"{offset} cannot be decoded ({err.reason}). Fix: save it as UTF-8 (Excel: "
+            f'"CSV UTF-8"; or iconv -f latin1 -t utf-8){hint}.'
+        ) from None
+
+
+def _text_field(path: Path, line_num: int, row: dict, name: str) -> str:
+    """``row[name]`` as text; JSON null, floats, lists etc. are refused.
+
+    ``str(None)`` would otherwise make a missing transcript the word "None" and train on it.
+    CSV values are always strings; a JSONL integer id or speaker is taken as its text.
+    """
+    value = row[name]
+    if isinstance(value, str):
+        return value
+    if name in ("id", "speaker") and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # numeric ids (LibriSpeech speakers: 103) name things as well
+    empty = ' (an empty transcript is "")' if name == "transcript" else ""
+    raise ManifestError(
+        f"Manifest {path}, line {line_num}: {name} must be a string, got "
+        f"{json.dumps(value)} ({type(value).__name__}). Fix: write the {name} as a JSON "
+        f"string{empty}."
+    )
+
+
 def read_manifest(path: str | Path) -> list[Utterance]:
     """Read and validate a ``.csv`` or ``.jsonl`` manifest.
 
@@ -168,8 +214,9 @@ def read_manifest(path: str | Path) -> list[Utterance]:
         The utterances in file order.
 
     Raises:
-        ManifestError: if the manifest is missing or empty, has missing or extra columns,
-            duplicate ids or a bad duration, or names audio files that do not exist.
+        ManifestError: if the manifest is missing, empty or not UTF-8, has missing or
+            extra columns, duplicate ids, a bad duration or a non-text id, path,
+            transcript or speaker (JSON null), or names audio files that do not exist.
     """
     path = Path(path).absolute()
     if not path.is_file():
@@ -178,7 +225,7 @@ def read_manifest(path: str | Path) -> list[Utterance]:
             "(with data=manifest: data.train=PATH, data.valid=PATH, data.test=PATH; relative "
             "paths are read from the folder the command runs in)."
         )
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     if not text.strip():
         raise ManifestError(
             f"Manifest {path} is empty. Fix: re-run data preparation to regenerate it."
@@ -192,16 +239,16 @@ def read_manifest(path: str | Path) -> list[Utterance]:
 
     utterances = []
     for line_num, row in rows:
-        audio = Path(str(row["path"]))
+        audio = Path(_text_field(path, line_num, row, "path"))
         if not audio.is_absolute():
             audio = path.parent / audio
         utterances.append(
             Utterance(
-                id=str(row["id"]),
+                id=_text_field(path, line_num, row, "id"),
                 path=str(audio),
                 duration=_parse_duration(path, line_num, row["duration"]),
-                transcript=str(row["transcript"]),
-                speaker=str(row["speaker"]),
+                transcript=_text_field(path, line_num, row, "transcript"),
+                speaker=_text_field(path, line_num, row, "speaker"),
             )
         )
 

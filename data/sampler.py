@@ -47,7 +47,8 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         seed: base seed; the epoch is added to it.
         num_buckets: number of duration buckets.
         drop_last: drop each bucket's last batch when it is incomplete (it would still
-            have room for one more item as long as its longest one).
+            have room for one more item as long as its longest one), unless it is the
+            bucket's only batch.
         num_replicas: number of distributed processes.
         rank: this process's rank in ``[0, num_replicas)``.
         drop_uneven: with several replicas, drop the last batches that would give the
@@ -162,6 +163,7 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         return batches
 
     def _pack(self, bucket: list[int]) -> list[list[int]]:
+        """Cut a bucket into batches within the budget (greedily, in the bucket's order)."""
         if self.pad_to_buckets:
             return self._pack_fixed(bucket)
         batches: list[list[int]] = []
@@ -177,7 +179,9 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
             longest = new_longest
         if batch:
             incomplete = (len(batch) + 1) * longest <= self.max_batch_seconds
-            if not (self.drop_last and incomplete):
+            # a bucket's only batch is kept, as in _pack_fixed: dropping it could leave a
+            # small split (every bucket one incomplete batch) with an empty epoch
+            if not (self.drop_last and incomplete and batches):
                 batches.append(batch)
         return batches
 

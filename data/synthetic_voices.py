@@ -185,19 +185,30 @@ def synthetic_digit_utterances(
 ) -> list[Utterance]:
     """The ten digit words spoken by each of ``count`` voices (``draw_voices``), cached.
 
-    Files already in ``out_dir`` are reused (their names spell the voice, word and rate).
+    Files already in ``out_dir`` are reused (their names spell the voice, word and rate);
+    only the engines of voices with files still missing must be installed, so a cached
+    set can be used on a machine without espeak-ng or flite.
 
     Returns:
         One utterance per voice and word, the voice's name as the speaker.
+
+    Raises:
+        SynthesizerUnavailableError: an engine needed for a missing file is not installed.
     """
     voices = draw_voices(count)
-    check_synthesizers(voices)
     out_dir = Path(out_dir) / f"{sample_rate}hz"
+
+    def cached(voice: SyntheticVoice, word: str) -> Path:
+        return out_dir / f"{voice.name}-{word}.wav"
+
+    check_synthesizers(
+        [voice for voice in voices if not all(cached(voice, word).is_file() for word in words)]
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     utterances = []
     for voice in voices:
         for word in words:
-            path = out_dir / f"{voice.name}-{word}.wav"
+            path = cached(voice, word)
             if path.is_file():
                 duration = soundfile.info(path).frames / sample_rate
             else:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
 from data.connected_digits import ConnectedDigitsDataset
-from data.dataset import AudioBatch, AudioDataset, collate_audio
+from data.dataset import AudioBatch, AudioDataset, PadToBuckets, collate_audio
 from data.errors import DataError
 from data.fsdd import FSDD_SPEAKERS
 from data.manifest import Utterance
@@ -147,3 +148,19 @@ def test_forked_workers_serve_the_cached_audio(fsdd_utts) -> None:
 
     for a, b in zip(batches(from_files, 0), batches(cached, 2), strict=True):
         assert a.ids == b.ids and torch.equal(a.wavs, b.wavs)
+
+
+def test_pad_to_buckets_warns_once_about_items_past_the_last_edge(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An item longer than the last edge (its duration understated the audio) gets a batch
+    shape of its own: another compile/capture, which must not go unnoticed."""
+    collate = PadToBuckets([0.5, 1.0], sample_rate=8000)
+    with caplog.at_level(logging.WARNING, logger="data.dataset"):
+        assert collate.length_for(8000) == 8000
+        assert not caplog.records  # at the edge: no warning
+        assert collate.length_for(8100) == 8100
+        assert collate.length_for(9000) == 9000
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "8100 samples is longer than the last bucket edge (8000 samples)" in record.getMessage()

@@ -26,6 +26,43 @@ def test_find_accepts_root_or_recordings_dir(fsdd_root: Path, fsdd_recordings: P
     assert fsdd.ensure_fsdd(fsdd_root, download=False) == fsdd_recordings
 
 
+def _linked_copy(fsdd_recordings: Path, folder: Path, skip: int = 0) -> Path:
+    """``folder`` holding links to every FSDD recording but the first ``skip``."""
+    folder.mkdir(parents=True)
+    for name in fsdd.FSDD_RECORDING_NAMES[skip:]:
+        (folder / name).symlink_to(fsdd_recordings / name)
+    return folder
+
+
+def test_extra_files_beside_a_complete_copy_are_ignored(
+    fsdd_recordings: Path, tmp_path: Path
+) -> None:
+    """A user's own take or macOS ``._*.wav`` beside the 3000 recordings must not make a
+    complete copy "not found" (or downloaded again), nor join the data."""
+    recordings = _linked_copy(fsdd_recordings, tmp_path / "fsdd" / "recordings")
+    shutil.copy(fsdd_recordings / "0_george_0.wav", recordings / "my_own_take.wav")
+    shutil.copy(fsdd_recordings / "0_george_0.wav", recordings / "0_george_50.wav")
+    (recordings / "._0_george_0.wav").write_bytes(b"\x00\x05\x16\x07")  # AppleDouble
+
+    assert fsdd.find_fsdd_recordings(tmp_path / "fsdd") == recordings
+    assert fsdd.ensure_fsdd(tmp_path / "fsdd", download=False) == recordings
+    assert fsdd.recordings_sha256(recordings) == fsdd.FSDD_RECORDINGS_SHA256
+    utts = fsdd.fsdd_utterances(recordings)
+    assert [Path(u.path).name for u in utts] == list(fsdd.FSDD_RECORDING_NAMES)
+
+
+def test_an_incomplete_copy_says_how_many_recordings_it_holds(
+    fsdd_recordings: Path, tmp_path: Path
+) -> None:
+    recordings = _linked_copy(fsdd_recordings, tmp_path / "fsdd" / "recordings", skip=2)
+    shutil.copy(fsdd_recordings / "0_george_0.wav", recordings / "my_own_take.wav")
+    assert fsdd.find_fsdd_recordings(tmp_path / "fsdd") is None
+    with pytest.raises(DatasetNotFoundError) as info:
+        fsdd.ensure_fsdd(tmp_path / "fsdd", download=False)
+    message = str(info.value)
+    assert f"found 2998 of the 3000 expected recordings (in {recordings})" in message
+
+
 def test_parse_name() -> None:
     assert fsdd.parse_fsdd_name("/x/7_jackson_32.wav") == (7, "jackson", 32)
     with pytest.raises(DataError, match="not_fsdd.wav.*digit"):
@@ -150,6 +187,9 @@ def test_download_and_unpack(
 ) -> None:
     _, source = local_archive
     monkeypatch.setattr(fsdd, "FSDD_NUM_RECORDINGS", 30)
+    monkeypatch.setattr(
+        fsdd, "FSDD_RECORDING_NAMES", tuple(sorted(p.name for p in source.iterdir()))
+    )
     monkeypatch.setattr(fsdd, "FSDD_RECORDINGS_SHA256", fsdd.recordings_sha256(source))
     root = tmp_path / "fsdd"
 

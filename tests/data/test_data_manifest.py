@@ -102,3 +102,55 @@ def test_missing_audio_named_and_counted(tmp_path: Path) -> None:
         read_manifest(path)
     message = str(info.value)
     assert str(tmp_path / "missing0.wav") in message and "3 more" in message
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_manifest_not_in_utf8_names_the_file_the_offset_and_the_fix(
+    tmp_path: Path, suffix: str
+) -> None:
+    utts = _utterances(tmp_path / "w", count=1)
+    path = tmp_path / f"latin1{suffix}"
+    write_manifest(path, [Utterance("u1", utts[0].path, 0.5, "café", "josé")])
+    latin1 = path.read_text(encoding="utf-8").encode("latin-1")
+    path.write_bytes(latin1)
+    with pytest.raises(ManifestError, match="not valid UTF-8") as info:
+        read_manifest(path)
+    message = str(info.value)
+    assert str(path) in message and "save it as UTF-8" in message
+    offset = latin1.index("é".encode("latin-1"))
+    assert f"byte 0xe9 at byte offset {offset}" in message
+
+
+def test_a_csv_with_a_utf8_byte_order_mark_is_read(tmp_path: Path) -> None:
+    """Excel's "CSV UTF-8" starts with a BOM, which must not become part of "id"."""
+    utts = _utterances(tmp_path / "w")
+    path = tmp_path / "excel.csv"
+    write_manifest(path, utts)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert read_manifest(path) == utts
+
+
+@pytest.mark.parametrize("field", ["transcript", "speaker", "id", "path"])
+@pytest.mark.parametrize("value", [None, 1.5, ["one"]])
+def test_a_jsonl_value_that_is_not_text_names_file_line_and_field(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """A null transcript must not become the word "None" and be trained on."""
+    utts = _utterances(tmp_path / "w", count=2)
+    path = tmp_path / "m.jsonl"
+    write_manifest(path, utts)
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[1])
+    row[field] = value
+    path.write_text("\n".join([lines[0], json.dumps(row)]) + "\n")
+    with pytest.raises(ManifestError, match=f"line 2: {field} must be a string") as info:
+        read_manifest(path)
+    assert str(path) in str(info.value)
+
+
+def test_jsonl_integer_ids_and_speakers_are_read_as_text(tmp_path: Path) -> None:
+    (tmp_path / "a.wav").write_bytes(b"RIFF")
+    row = {"id": 7, "path": "a.wav", "duration": 1.0, "transcript": "", "speaker": 103}
+    path = _write(tmp_path / "m.jsonl", json.dumps(row) + "\n")
+    [utt] = read_manifest(path)
+    assert (utt.id, utt.speaker) == ("7", "103")

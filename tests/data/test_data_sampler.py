@@ -56,6 +56,19 @@ def test_drop_last_drops_only_incomplete_batches() -> None:
             assert (len(batch) + 1) * max(DURATIONS[i] for i in batch) <= BUDGET
 
 
+@pytest.mark.parametrize("pad_to_buckets", [False, True])
+def test_drop_last_keeps_a_buckets_only_batch(pad_to_buckets: bool) -> None:
+    """A small split whose buckets each fit in one incomplete batch keeps every batch:
+    dropping them would leave an empty epoch."""
+    durations = [1.0 + 0.01 * i for i in range(100)]  # 10 buckets of 10 items, ~11 s each
+    sampler = DurationBatchSampler(
+        durations, 30.0, drop_last=True, num_buckets=10, pad_to_buckets=pad_to_buckets
+    )
+    batches = _epoch(sampler, 0)
+    assert len(batches) == 10 and sampler.epoch_utterances() == len(durations)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(durations)))
+
+
 @pytest.mark.parametrize("num_replicas", [2, 3])
 def test_distributed_ranks_disjoint_equal_length(num_replicas: int) -> None:
     samplers = [

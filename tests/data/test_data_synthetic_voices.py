@@ -122,6 +122,23 @@ def test_synthesized_audio_is_resampled_trimmed_and_cached(fake_engines: Path, t
     assert not list(out.rglob("*.tmp.wav"))
 
 
+def test_cached_voices_need_no_engines_and_missing_ones_name_theirs(
+    fake_engines: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepared folder moved to a machine without espeak-ng/flite still works; only the
+    engines of voices with files still missing are required."""
+    out = tmp_path / "tts"
+    utts = synthetic_digit_utterances(3, out, sample_rate=8000)
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no engine installed
+    assert synthetic_digit_utterances(3, out, sample_rate=8000) == utts
+
+    voices = draw_voices(3)
+    (out / "8000hz" / f"{voices[1].name}-seven.wav").unlink()
+    with pytest.raises(SynthesizerUnavailableError) as info:
+        synthetic_digit_utterances(3, out, sample_rate=8000)
+    assert f"engine(s) {voices[1].engine}, which" in str(info.value)  # only the one needed
+
+
 def test_a_failing_engine_is_reported_with_its_message(tmp_path, monkeypatch) -> None:
     voice = SyntheticVoice("espeak-ng", "en-us+m1", 50, 1.0)
     monkeypatch.setattr(
