@@ -150,4 +150,7 @@ def fwd_default_precision(
             )
         return wrapped(*args, **kwargs)
 
+    # What tools ask of a decorated forward (``amp_utils.numerics.runs_in_fp32``): the dtype
+    # its inputs are cast to under autocast, autocast off (None: autocast left as it is).
+    wrapper.cast_inputs = cast_inputs  # type: ignore[attr-defined]
     return wrapper

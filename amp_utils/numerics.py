@@ -9,9 +9,11 @@ Two probes watch a model while it trains a few batches under autocast:
   subnormals, which keep fewer significant bits), outputs that came out non-finite under
   autocast while the fp32 ones are finite, and the relative error
   ``||y_autocast - y_fp32|| / ||y_fp32||``.
-- ``GradientProbe`` (post-accumulate-grad hooks): for every parameter, the share of
-  gradient values that fp16 flushes to zero at the loss scale in use, and the largest
-  |grad * scale| (the headroom before overflow).
+- ``GradientProbe`` (hooks on the gradient flowing into each parameter): for every
+  parameter and backward pass, the share of gradient values that fp16 flushes to zero at
+  the loss scale in use, and the largest |grad * scale| (the headroom before overflow).
+  Each backward's own gradient is measured, not ``param.grad``, which under gradient
+  accumulation holds the running sum of the window's micro-batches.
 
 ``probe_training_batches`` runs both over a Brain's training batches; the verdicts and the
 report are ``amp_utils.numerics_report``'s.
@@ -29,7 +31,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from amp_utils.module_precision import named_modules_of
+from amp_utils.module_precision import FP32_MARK, named_modules_of
 
 # ---------------------------------------------------------------- formats and thresholds
 
@@ -51,6 +53,28 @@ class FloatFormat:
             name, info.max, info.smallest_normal, info.smallest_normal * info.eps, info.eps / 2
         )
 
+    # A cast rounds to nearest (ties to even), so the limits lie half a unit in the last
+    # place beyond the representable extremes: fp16 rounds 65519 down to 65504 and 65520 up
+    # to inf; 2^-25 (half its smallest subnormal) ties to 0, anything above it to 2^-24.
+
+    @property
+    def overflow_threshold(self) -> float:
+        """Magnitudes from here on round to inf: ``max_finite`` plus half its ulp."""
+        exponent = math.frexp(self.max_finite)[1] - 1  # max_finite = 1.xxx * 2^exponent
+        return self.max_finite + 2.0 * self.unit_roundoff * 2.0**exponent / 2
+
+    @property
+    def flush_threshold(self) -> float:
+        """Nonzero magnitudes up to and including this round to 0: half the smallest
+        subnormal (the tie goes to the even neighbour, 0)."""
+        return self.smallest_subnormal / 2
+
+    @property
+    def normal_threshold(self) -> float:
+        """Magnitudes from here on round to a normal number: ``smallest_normal`` less half
+        a subnormal step (the tie goes to the even neighbour, the smallest normal)."""
+        return self.smallest_normal - self.smallest_subnormal / 2
+
 
 #: fp16: max 65504, normal from 2^-14, subnormal from 2^-24; bf16: fp32's range, 8 bits.
 FORMATS: dict[str, FloatFormat] = {
@@ -71,9 +95,9 @@ HISTOGRAM_SAMPLES = 100_000
 class RangeCounts:
     """How many values of a tensor a format overflows, flushes to zero or denormalizes."""
 
-    overflow: int = 0  # |x| > max finite
-    flush_to_zero: int = 0  # 0 < |x| < smallest subnormal / 2 (rounds to 0)
-    subnormal: int = 0  # smallest subnormal / 2 <= |x| < smallest normal (precision loss)
+    overflow: int = 0  # |x| >= max finite + ulp / 2 (rounds to inf)
+    flush_to_zero: int = 0  # 0 < |x| <= smallest subnormal / 2 (rounds to 0)
+    subnormal: int = 0  # rounds to a nonzero subnormal (fewer significant bits)
 
     def add(self, other: RangeCounts) -> None:
         self.overflow += other.overflow
@@ -82,14 +106,18 @@ class RangeCounts:
 
 
 def range_counts(values: torch.Tensor, fmt: FloatFormat) -> RangeCounts:
-    """Count the finite ``values`` that ``fmt`` cannot hold (see ``RangeCounts``)."""
+    """Count the finite ``values`` that ``fmt`` cannot hold (see ``RangeCounts``).
+
+    The boundaries are those of a round-to-nearest cast (``FloatFormat``'s thresholds), so
+    a value counts where ``values.to(dtype)`` puts it: 65519 fits fp16, 2^-25 flushes.
+    """
     magnitude = values.detach().abs().float()
     nonzero = magnitude > 0
-    flush = nonzero & (magnitude < fmt.smallest_subnormal / 2)
+    flush = nonzero & (magnitude <= fmt.flush_threshold)
     return RangeCounts(
-        overflow=int((magnitude > fmt.max_finite).sum()),
+        overflow=int((magnitude >= fmt.overflow_threshold).sum()),
         flush_to_zero=int(flush.sum()),
-        subnormal=int((nonzero & ~flush & (magnitude < fmt.smallest_normal)).sum()),
+        subnormal=int((nonzero & ~flush & (magnitude < fmt.normal_threshold)).sum()),
     )
 
 
@@ -107,6 +135,7 @@ class ModuleStats:
     nonfinite_autocast: int = 0  # non-finite under autocast where fp32 is finite
     relative_error: float = 0.0  # worst call's ||y - y_fp32|| / ||y_fp32||
     reduced_calls: int = 0  # calls whose output came out in fp16/bf16 (not pinned to fp32)
+    pinned_fp32: bool = False  # it, or a module holding it, runs in fp32 under autocast
     ranges: dict[str, RangeCounts] = field(
         default_factory=lambda: {name: RangeCounts() for name in FORMATS}
     )
@@ -136,10 +165,35 @@ class ParameterStats:
 
     @property
     def headroom_bits(self) -> float:
-        """log2(65504 / max finite |grad * scale|): doublings of the scale that still fit."""
+        """log2(65504 / max finite |grad * scale|): doublings of the scale that still fit.
+
+        ``-inf`` when every nonzero gradient overflowed (no finite one to measure: no
+        headroom at all, the worst case); ``inf`` when all were exactly zero.
+        """
         if self.max_abs_scaled == 0:
-            return math.inf
+            return -math.inf if self.nonfinite else math.inf
         return math.log2(FORMATS["fp16"].max_finite / self.max_abs_scaled)
+
+
+def runs_in_fp32(module: nn.Module) -> bool:
+    """Whether ``module``'s forward runs outside autocast: pinned by
+    ``precision.fp32_modules`` (``amp_utils.module_precision``) or in code, its forward
+    decorated with ``fwd_default_precision`` (inputs cast to a dtype, autocast off)."""
+    if getattr(module, FP32_MARK, False):
+        return True
+    forward = getattr(module.forward, "__func__", module.forward)
+    return getattr(forward, "cast_inputs", None) is not None
+
+
+def fp32_pinned_names(named: Mapping[str, nn.Module]) -> set[str]:
+    """The names of the modules that run in fp32 under autocast: those ``runs_in_fp32``
+    says so of, and every module inside one (called with autocast off)."""
+    pinned = [name for name, module in named.items() if runs_in_fp32(module)]
+    return {
+        name
+        for name in named
+        if any(name == root or name.startswith(f"{root}.") for root in pinned)
+    }
 
 
 def _float_tensors(value: Any) -> list[torch.Tensor]:
@@ -200,10 +254,11 @@ class ActivationProbe(_HookedProbe):
 
     Use as a context manager around forward passes run under autocast. The fp32
     recomputation runs without gradients, with autocast off, on fp32 copies of the same
-    inputs; hooks do not measure inside another module's recomputation. Run the model in
-    eval mode while probing: dropout draws different masks in each call (and, on CUDA,
-    differently per dtype), which a comparison would count as error, and BatchNorm would
-    update its running statistics twice. The inputs are those the hook sees after the
+    inputs; hooks do not measure inside another module's recomputation. Turn dropout off
+    while probing (``probe_mode``): it draws different masks in each call (and, on CUDA,
+    differently per dtype), which a comparison would count as error. BatchNorm in train
+    mode normalizes the re-run with the same batch's statistics (``probe_mode`` restores
+    the running statistics both calls update). The inputs are those the hook sees after the
     forward: a module that modifies its input in place is compared on the modified input.
 
     Args:
@@ -213,8 +268,10 @@ class ActivationProbe(_HookedProbe):
 
     def __init__(self, modules: Mapping[str, nn.Module] | nn.Module, keep_samples: bool = True):
         self.named = named_modules_of(modules)
+        pinned = fp32_pinned_names(self.named)
         self.stats = {
-            name: ModuleStats(name, type(module).__name__) for name, module in self.named.items()
+            name: ModuleStats(name, type(module).__name__, pinned_fp32=name in pinned)
+            for name, module in self.named.items()
         }
         self.samples: dict[str, torch.Tensor] = {}
         self.keep_samples = keep_samples
@@ -280,11 +337,15 @@ class ActivationProbe(_HookedProbe):
 
 
 class GradientProbe(_HookedProbe):
-    """Post-accumulate-grad hooks that measure each parameter's gradient against fp16.
+    """Gradient hooks that measure each parameter's gradient against fp16.
 
-    The gradient a hook sees is ``grad * scale`` when a GradScaler scales the loss
-    (fp16), else the true gradient, multiplied here by ``scale``: both give what fp16
-    would hold at that scale. Call ``set_scale`` before each backward.
+    A hook on the parameter (``Tensor.register_hook``) sees the gradient of one backward
+    pass, before it is added to ``param.grad``: with gradient accumulation each
+    micro-batch is measured on its own, as fp16 holds it (one micro-batch that overflows
+    counts once, and a sum of finite ones is no overflow). That gradient is
+    ``grad * scale`` when a GradScaler scales the loss (fp16), else the true gradient,
+    multiplied here by ``scale``: both give what fp16 would hold at that scale. Call
+    ``set_scale`` before each backward.
 
     Args:
         modules: one module or a mapping of them (a Brain's ``modules``).
@@ -315,16 +376,11 @@ class GradientProbe(_HookedProbe):
         self.loss_scale = loss_scale
 
     def _register(self) -> list[Any]:
-        return [
-            param.register_post_accumulate_grad_hook(self._hook(name))
-            for name, param in self.parameters.items()
-        ]
+        return [param.register_hook(self._hook(name)) for name, param in self.parameters.items()]
 
     def _hook(self, name: str):
-        def hook(param: torch.Tensor) -> None:
-            if param.grad is None:
-                return
-            grad = param.grad.detach().float()
+        def hook(incoming: torch.Tensor) -> None:  # returns None: the gradient is unchanged
+            grad = incoming.detach().float()
             scaled = grad if self.grads_are_scaled else grad * self.loss_scale
             magnitude = scaled.abs()
             finite = torch.isfinite(magnitude)
@@ -335,8 +391,8 @@ class GradientProbe(_HookedProbe):
             stats.nonfinite += nonfinite
             stats.overflow_backwards += nonfinite > 0
             stats.zero += int((magnitude == 0).sum())
-            limit = FORMATS["fp16"].smallest_subnormal / 2
-            stats.fp16_flush_to_zero += int(((magnitude > 0) & (magnitude < limit)).sum())
+            limit = FORMATS["fp16"].flush_threshold
+            stats.fp16_flush_to_zero += int(((magnitude > 0) & (magnitude <= limit)).sum())
             if finite.any():
                 stats.max_abs_scaled = max(stats.max_abs_scaled, float(magnitude[finite].max()))
             self.samples[name] = _sample(scaled[finite])
@@ -356,6 +412,37 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+@contextmanager
+def probe_mode(module: nn.Module) -> Iterator[None]:
+    """Dropout off, BatchNorm as in training, for the block; the model unchanged after it.
+
+    Every submodule goes to eval mode (no dropout: it would draw other masks for the fp32
+    re-run, counted as error), except BatchNorm layers, which stay in train mode and
+    normalize with the batch's statistics, as training does: their running statistics
+    are near their initial values in a model trained a few steps, and would give ranges
+    training never sees. The BatchNorm buffers the forward passes update (running mean
+    and variance, ``num_batches_tracked``) are put back afterwards, as is every mode.
+    """
+    modes = {m: m.training for m in module.modules()}
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [
+        {name: buf.detach().clone() for name, buf in norm.named_buffers(recurse=False)}
+        for norm in norms
+    ]
+    module.eval()
+    for norm in norms:
+        norm.train()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        with torch.no_grad():
+            for norm, buffers in zip(norms, saved, strict=True):
+                for name, value in buffers.items():
+                    getattr(norm, name).copy_(value)
+
+
 @dataclass
 class Probes:
     """The measurements of a diagnosis (for the report and the histograms)."""
@@ -369,9 +456,10 @@ class Probes:
 def probe_training_batches(brain: Any, batches: Iterable[Any], num_batches: int) -> Probes:
     """Train ``brain`` on up to ``num_batches`` batches, measuring every module and gradient.
 
-    For each batch: an eval-mode forward under the training precision with the
-    activation probe (no gradients, no optimizer step), then the Brain's own training
-    step (``fit_batch``: autocast, loss scaling, clipping, step) with the gradient probe.
+    For each batch: a forward under the training precision with the activation probe
+    (no gradients, no optimizer step; dropout off, BatchNorm on batch statistics as in
+    training: ``probe_mode``), then the Brain's own training step (``fit_batch``:
+    autocast, loss scaling, clipping, step) with the gradient probe.
 
     Args:
         brain: an ``amp_utils.Brain`` (optimizers are built here if it has none).
@@ -392,7 +480,7 @@ def probe_training_batches(brain: Any, batches: Iterable[Any], num_batches: int)
         on_device = batch.to(brain.device) if hasattr(batch, "to") else batch
         with (
             torch.no_grad(),
-            eval_mode(brain.modules),
+            probe_mode(brain.modules),
             TorchAutocast(device_type=brain.device_type, dtype=brain.amp.dtype),
             activations,
         ):

@@ -108,14 +108,23 @@ class NumericsReport:
         return [m for m in self.modules if m.verdict != FINE]
 
     def fix_line(self) -> str | None:
-        """One ``precision.fp32_modules=[...]`` line for the innermost modules to keep in
-        fp32: a module that contains a flagged one inherits its error, and pinning it too
-        would run all it holds in fp32 (the whole model, for the root)."""
-        names = [m.name for m in self.modules if m.verdict == KEEP_FP32]
-        innermost = [
-            name for name in names if not any(other.startswith(f"{name}.") for other in names)
-        ]
-        return fp32_modules_line(innermost) if innermost else None
+        """The overrides that fix what the report flags; None when nothing is flagged.
+
+        ``precision=bf16`` when a module or parameter would rather run in bf16 (fp16's
+        range does not hold it) and the run is not bf16 already; then one
+        ``precision.fp32_modules=[...]`` for the innermost modules to keep in fp32: a module
+        that contains a flagged one inherits its error, and pinning it too would run all
+        it holds in fp32 (the whole model, for the root). So an unsafe run always gets a
+        fix, also when all its verdicts are "prefer bf16".
+        """
+        parts = []
+        verdicts = [v.verdict for v in [*self.modules, *self.parameters]]
+        if self.precision != "bf16" and PREFER_BF16 in verdicts:
+            parts.append("precision=bf16")
+        innermost = innermost_names([m.name for m in self.modules if m.verdict == KEEP_FP32])
+        if innermost:
+            parts.append(fp32_modules_line(innermost))
+        return " ".join(parts) or None
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready data (infinities as strings ``"inf"``/``"-inf"``)."""
@@ -132,6 +141,16 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def holds(container: str, name: str) -> bool:
+    """Whether module ``name`` lies inside module ``container`` (dotted names)."""
+    return name.startswith(f"{container}.")
+
+
+def innermost_names(names: list[str]) -> list[str]:
+    """``names`` less those that hold another of them (in order)."""
+    return [name for name in names if not any(holds(name, other) for other in names)]
+
+
 def fp32_modules_line(names: list[str]) -> str:
     """The override that keeps ``names`` in fp32, e.g. ``precision.fp32_modules=[a,b]``."""
     return f"precision.fp32_modules=[{','.join(names)}]"
@@ -142,9 +161,12 @@ def module_verdict(stats: ModuleStats, precision: str) -> ModuleVerdict:
 
     Range (from the fp32 outputs, for the format in use): overflow -> prefer bf16 when
     bf16 holds the values (else keep in fp32); flush to zero above the limit -> prefer
-    bf16 (fp16) or keep in fp32 (bf16). Precision (measured under ``precision``): a
-    relative error above the tolerance -> keep in fp32. An fp32 run has no error to
-    measure; its range check covers both formats.
+    bf16 (fp16) or keep in fp32 (bf16). Outputs that came out inf/NaN under autocast
+    while fp32's are finite, with no fp32 value beyond the range (e.g. log of a value
+    that flushed to zero, or an overflow inside the module), likewise, with their own
+    reason. Precision (measured under ``precision``): a relative error above the
+    tolerance -> keep in fp32. An fp32 run has no error to measure; its range check
+    covers both formats.
     """
     overflow = {f: stats.share(stats.ranges[f].overflow) for f in FORMATS}
     flush = {f: stats.share(stats.ranges[f].flush_to_zero, of_nonzero=True) for f in FORMATS}
@@ -156,9 +178,9 @@ def module_verdict(stats: ModuleStats, precision: str) -> ModuleVerdict:
     # The verdict is about the precision in use; an fp32 run predicts both formats.
     judged = [name for name in checked if precision not in FORMATS or name == precision]
     verdict, reason = FINE, "within range and tolerance"
+    fits_bf16 = overflow["bf16"] <= OVERFLOW_SHARE_LIMIT
     for name in judged:
-        if overflow[name] > OVERFLOW_SHARE_LIMIT or (name == precision and nonfinite_share > 0):
-            fits_bf16 = overflow["bf16"] <= OVERFLOW_SHARE_LIMIT
+        if overflow[name] > OVERFLOW_SHARE_LIMIT:
             verdict = PREFER_BF16 if name == "fp16" and fits_bf16 else KEEP_FP32
             reason = (
                 f"{name} overflow: max |activation| {stats.max_abs:.4g} > "
@@ -169,6 +191,9 @@ def module_verdict(stats: ModuleStats, precision: str) -> ModuleVerdict:
             verdict = PREFER_BF16 if name == "fp16" else KEEP_FP32
             reason = f"{name} underflow: {flush[name]:.1%} of nonzero values flush to zero"
             break
+    if verdict == FINE and fmt is not None and nonfinite_share > 0:
+        verdict = PREFER_BF16 if precision == "fp16" and fits_bf16 else KEEP_FP32
+        reason = f"{nonfinite_share:.2%} of outputs inf/NaN under {precision} while fp32 is finite"
     if verdict == FINE and tolerance is not None and stats.relative_error > tolerance:
         verdict = KEEP_FP32
         reason = (
@@ -177,6 +202,8 @@ def module_verdict(stats: ModuleStats, precision: str) -> ModuleVerdict:
         )
     if verdict == FINE and fmt is not None and not checked:
         reason = "output stays fp32 under autocast; error within tolerance"
+    elif verdict == FINE and not checked:
+        reason = "runs in fp32 under autocast (pinned): no range to fit"
     fix = None
     if verdict == KEEP_FP32:
         fix = fp32_modules_line([stats.name])
@@ -203,13 +230,15 @@ def module_verdict(stats: ModuleStats, precision: str) -> ModuleVerdict:
 def range_checked_formats(stats: ModuleStats, precision: str) -> list[str]:
     """The formats whose range a module's output must fit.
 
-    An fp32 run predicts both formats from the fp32 values. Under autocast, a module
-    whose output stays fp32 (pinned in code, e.g. with ``fwd_default_precision``, or an
-    op autocast keeps in fp32) stores nothing in the reduced format: no range applies
-    (its error is still measured).
+    Under autocast, a module whose output stays fp32 (pinned in code, e.g. with
+    ``fwd_default_precision``, or an op autocast keeps in fp32) stores nothing in the
+    reduced format: no range applies (its error is still measured). An fp32 run predicts
+    both formats from the fp32 values, except for the modules that would run in fp32
+    under autocast anyway (``precision.fp32_modules`` or pinned in code, and the modules
+    inside them): flagging those would propose a pin that is already applied.
     """
     if precision not in FORMATS:
-        return list(FORMATS)
+        return [] if stats.pinned_fp32 else list(FORMATS)
     return list(FORMATS) if stats.reduced_calls else []
 
 
@@ -227,11 +256,24 @@ def parameter_verdict(stats: ParameterStats) -> ParameterVerdict:
     )
 
 
-def _module_sort_key(m: ModuleVerdict) -> tuple:
+def _module_sort_key(m: ModuleVerdict, flagged: list[str]) -> tuple:
+    """Worst verdict first; within one, the modules that made the problem before those
+    that only hold one that did (a module around a culprit shares its verdict and its
+    infinite error, and would otherwise come first by name), then the larger share out of
+    range, the larger error, and, among inf/NaN outputs, the deeper module first."""
     shares = [m.overflow_share[f] for f in m.range_checked]
     shares += [m.flush_to_zero_share[f] for f in m.range_checked]
     worst_share = max(shares, default=0.0)
-    return (VERDICT_RANK[m.verdict], -worst_share, -_finite_or_big(m.relative_error), m.name)
+    holds_flagged = any(holds(m.name, other) for other in flagged)
+    depth = m.name.count(".") if m.nonfinite_autocast_share > 0 else 0
+    return (
+        VERDICT_RANK[m.verdict],
+        holds_flagged,
+        -worst_share,
+        -_finite_or_big(m.relative_error),
+        -depth,
+        m.name,
+    )
 
 
 def _finite_or_big(value: float) -> float:
@@ -248,11 +290,11 @@ def build_report(
     context: dict[str, Any] | None = None,
 ) -> NumericsReport:
     """Verdicts from the probes' measurements, ranked worst first, and overall ones."""
-    modules = sorted(
-        (module_verdict(s, precision) for s in activations.stats.values() if s.calls),
-        key=_module_sort_key,
-    )
+    modules = [module_verdict(s, precision) for s in activations.stats.values() if s.calls]
+    flagged = [m.name for m in modules if m.verdict != FINE]
+    modules.sort(key=lambda m: _module_sort_key(m, flagged))
     params = [parameter_verdict(s) for s in (gradients.stats.values() if gradients else [])]
+    # headroom -inf (every gradient overflowed) sorts before any finite headroom
     params.sort(key=lambda p: (VERDICT_RANK[p.verdict], -p.fp16_underflow_share, p.headroom_bits))
     overall, safe = {}, {}
     for fmt in FORMATS:
@@ -275,37 +317,63 @@ def build_report(
 def _overall(
     fmt: str, precision: str, modules: list[ModuleVerdict], params: list[ParameterVerdict]
 ) -> tuple[str, bool]:
-    """One sentence on whether ``fmt`` is safe for the model, and the boolean."""
+    """One sentence on whether ``fmt`` is safe for the model, and the boolean.
+
+    Each problem names the innermost modules that have it (worst first), each module
+    once, under its first problem in the order overflow, flush to zero, inf/NaN outputs,
+    precision: a module that holds a flagged one inherits its error (an inf output gives
+    an infinite error) and is only counted, at the end.
+    """
     limit = FORMATS[fmt]
-    overflows = [
-        m.name
-        for m in modules
-        if fmt in m.range_checked and m.overflow_share[fmt] > OVERFLOW_SHARE_LIMIT
-    ]
-    if fmt == precision:
-        overflows += [
-            m.name for m in modules if m.nonfinite_autocast_share > 0 and m.name not in overflows
+    measured = fmt == precision
+    kinds = {
+        "overflow": [
+            m.name
+            for m in modules
+            if fmt in m.range_checked and m.overflow_share[fmt] > OVERFLOW_SHARE_LIMIT
+        ],
+        "underflow": [
+            m.name
+            for m in modules
+            if fmt in m.range_checked and m.flush_to_zero_share[fmt] > UNDERFLOW_SHARE_LIMIT
+        ],
+        "nonfinite": [m.name for m in modules if measured and m.nonfinite_autocast_share > 0],
+        "imprecise": [
+            m.name
+            for m in modules
+            if measured and m.tolerance is not None and m.relative_error > m.tolerance
+        ],
+    }
+    flagged = {name for names in kinds.values() for name in names}
+    named: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for kind, names in kinds.items():
+        named[kind] = [
+            n for n in names if n not in seen and not any(holds(n, other) for other in flagged)
         ]
-    underflows = [
-        m.name
-        for m in modules
-        if fmt in m.range_checked and m.flush_to_zero_share[fmt] > UNDERFLOW_SHARE_LIMIT
-    ]
-    imprecise = (
-        [m.name for m in modules if m.tolerance is not None and m.relative_error > m.tolerance]
-        if fmt == precision
-        else []
-    )
+        seen.update(names)
+    holders = len(flagged) - sum(len(names) for names in named.values())
     grads = [p.name for p in params if p.verdict != FINE] if fmt == "fp16" else []
     problems = []
-    if overflows:
+    if named["overflow"]:
+        overflows = named["overflow"]
         problems.append(
             f"{len(overflows)} module(s) overflow {limit.max_finite:.4g} ({_few(overflows)})"
         )
-    if underflows:
+    if named["underflow"]:
+        underflows = named["underflow"]
         problems.append(f"{len(underflows)} module(s) flush values to zero ({_few(underflows)})")
-    if imprecise:
+    if named["nonfinite"]:
+        broken = named["nonfinite"]
+        problems.append(
+            f"{len(broken)} module(s) output inf/NaN under {fmt} while fp32 is finite "
+            f"({_few(broken)})"
+        )
+    if named["imprecise"]:
+        imprecise = named["imprecise"]
         problems.append(f"{len(imprecise)} module(s) lose precision ({_few(imprecise)})")
+    if holders:
+        problems.append(f"{holders} module(s) that hold these inherit their error")
     if grads:
         problems.append(f"{len(grads)} parameter(s) have gradients that underflow ({_few(grads)})")
     # In an fp16 run an underflowed gradient arrives as an exact zero, which cannot be told
@@ -382,7 +450,7 @@ def format_markdown(report: NumericsReport, max_rows: int = 40) -> str:
     for p in report.parameters[:max_rows]:
         lines.append(
             f"| {p.name} | {p.verdict} | {p.zero_share:.2%} | {p.fp16_underflow_share:.2%} "
-            f"| {p.headroom_bits:.1f} | {p.overflow_backwards} |"
+            f"| {_headroom(p.headroom_bits)} | {p.overflow_backwards} |"
         )
     lines += [
         "",
@@ -391,12 +459,18 @@ def format_markdown(report: NumericsReport, max_rows: int = 40) -> str:
         f"{ERROR_TOLERANCE_ROUNDOFFS * FORMATS['bf16'].unit_roundoff:.2g}); no overflow; at most "
         f"{UNDERFLOW_SHARE_LIMIT:.0%} of nonzero activations and "
         f"{GRAD_UNDERFLOW_SHARE_LIMIT:.0%} of nonzero gradients flushed to zero. Errors are "
-        "measured in eval mode (no dropout) against an fp32 forward of the same module on "
+        "measured without dropout (BatchNorm on batch statistics, as in training) against an "
+        "fp32 forward of the same module on "
         "the same inputs. Headroom: log2(65504 / largest finite |gradient x scale|); negative, "
         "or overflowed backward passes, mean the scaler skips that step and halves the scale "
         "(dynamic loss scaling at work, not a fault); underflow is what it cannot fix.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _headroom(bits: float) -> str:
+    """Headroom in bits for the table; ``overflowed`` when no gradient was finite."""
+    return "overflowed" if bits == -math.inf else f"{bits:.1f}"
 
 
 def log_histograms(

@@ -253,8 +253,20 @@ def step_operations(
     return StepOperationsReport(precision, fp32, low, fused_weight_casts)
 
 
-def training_step_operations(brain: Any, batch: Any) -> StepOperationsReport:
-    """``step_operations`` of a Brain's training forward, loss and backward on ``batch``."""
+def training_step_operations(
+    brain: Any, batch: Any, fused_weight_casts: bool | None = None
+) -> StepOperationsReport:
+    """``step_operations`` of a Brain's training forward, loss and backward on ``batch``.
+
+    Args:
+        brain: the Brain whose training step is counted.
+        batch: one training batch.
+        fused_weight_casts: whether the steps described cast the qualifying weights
+            together, for the report's "on/off in this run"; None: whether training with
+            ``brain``'s options would (``fused_weight_casts_in_training``).
+    """
+    if fused_weight_casts is None:
+        fused_weight_casts = fused_weight_casts_in_training(brain)
     brain.modules.train()
     return step_operations(
         brain.modules,
@@ -262,5 +274,17 @@ def training_step_operations(brain: Any, batch: Any) -> StepOperationsReport:
         brain.device_type,
         brain.amp.name,
         brain.amp.dtype,
-        brain.run_opts.fused_weight_casts,
+        fused_weight_casts,
+    )
+
+
+def fused_weight_casts_in_training(brain: Any) -> bool:
+    """Whether training with ``brain``'s options casts the weights together: the option is
+    on, the precision is 16-bit, and neither ``trainer.compile`` (torch.compile fuses the
+    casts itself) nor DDP turns it off, as ``Brain`` decides when a fit starts."""
+    return bool(
+        brain.run_opts.fused_weight_casts
+        and brain.amp.dtype not in (None, torch.float32)
+        and not brain.run_opts.compile
+        and brain.distributed.world_size <= 1
     )

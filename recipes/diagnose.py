@@ -80,6 +80,12 @@ def build_recipe(cfg: DictConfig):
 def diagnose(cfg: DictConfig) -> NumericsReport:
     """Measure the configured recipe for ``diagnose.batches`` batches; write the report."""
     brain, train_batches = build_recipe(cfg)
+    if brain.run_opts.compile:
+        logger.warning(
+            "trainer.compile=true: the diagnosis runs the model eagerly (uncompiled): its "
+            "probes hook every module and every operation, which a compiled graph would not "
+            "run; compiled training fuses operations (and the weight casts) its own way."
+        )
     patterns = list(OmegaConf.select(cfg, "precision.fp32_modules") or [])
     fp32_modules = apply_fp32_modules(brain.modules, patterns)
     probes = probe_training_batches(brain, train_batches, int(cfg.diagnose.batches))

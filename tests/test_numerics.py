@@ -10,14 +10,22 @@ import pytest
 import torch
 from torch import nn
 
+from amp_utils import Brain, fwd_default_precision
 from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
-from amp_utils.numerics import FORMATS, ActivationProbe, GradientProbe
+from amp_utils.numerics import (
+    FORMATS,
+    ActivationProbe,
+    GradientProbe,
+    probe_training_batches,
+    range_counts,
+)
 from amp_utils.numerics_report import (
     ERROR_TOLERANCE_ROUNDOFFS,
     FINE,
     KEEP_FP32,
     PREFER_BF16,
     build_report,
+    format_markdown,
 )
 from tests.conftest import REPO_ROOT
 
@@ -193,6 +201,219 @@ def test_report_json_round_trips():
     assert {m["name"] for m in data["modules"]} >= {"healthy", "overflowing", "cancelling"}
 
 
+class ScoresOverflow(nn.Module):
+    """Attention-like: its scores overflow fp16 inside it, its output is finite in fp32.
+
+    No fp32 output of any module is beyond fp16's range; the inf appears inside this one
+    under fp16 and every module that holds it shares its verdict and infinite error.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.q.weight.fill_(30.0)
+            self.q.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)  # ~240: fine in fp16; q @ q^T ~ 4.6e5 is not
+        scores = (q @ q.transpose(-1, -2)).float()
+        return torch.softmax(scores - scores.amax(-1, keepdim=True), -1) @ x
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = ScoresOverflow()
+        self.ff = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x + self.attn(x))
+
+
+def test_the_module_that_made_an_inf_ranks_first_is_named_and_gets_a_fix():
+    """Its containers share its verdict and infinite error: sorted by name they came first,
+    the summary named three of them and not it, counted each twice (overflow and lose
+    precision) and, all being "prefer bf16", the fix line was None ("fix: none needed")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(Residual(), Residual()), nn.Linear(8, 4))
+    activations = ActivationProbe({"model": model})
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16), activations:
+        model(torch.ones(2, 5, 8))
+    report = build_report(activations, None, "fp16", 1, "none")
+    flagged = [m.name for m in report.flagged()]
+    assert flagged == ["model.0.0.attn", "model.0.0", "model.0", "model"]  # innermost first
+    assert all(m.verdict == PREFER_BF16 for m in report.flagged())
+    sentence = report.overall["fp16"]
+    assert "1 module(s) output inf/NaN under fp16 while fp32 is finite (model.0.0.attn)" in (
+        sentence
+    )
+    assert "3 module(s) that hold these inherit their error" in sentence
+    assert "lose precision" not in sentence and "overflow" not in sentence
+    assert not report.fp16_safe
+    assert report.fix_line() == "precision=bf16"
+
+
+class LogOfTiny(nn.Module):
+    """log of a matmul whose result (1e-9) flushes to zero in fp16: -inf by underflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((8, 8), 1e-10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x @ self.w)
+
+
+def test_inf_outputs_caused_by_underflow_are_not_called_overflow():
+    model = nn.Sequential(LogOfTiny())
+    activations = ActivationProbe({"model": model})
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16), activations:
+        model(torch.ones(4, 8))
+    report = build_report(activations, None, "fp16", 1, "none")
+    culprit = report.modules[0]
+    assert culprit.name == "model.0" and culprit.max_abs < 100  # far inside fp16's range
+    assert culprit.reason == "100.00% of outputs inf/NaN under fp16 while fp32 is finite"
+    assert "overflow" not in report.overall["fp16"]
+    assert "inf/NaN under fp16 while fp32 is finite (model.0)" in report.overall["fp16"]
+    # a real overflow keeps its own reason (fp32 values above 65504)
+    overflowing = next(m for m in probe(planted_model(), "fp16").modules if m.name == "overflowing")
+    assert overflowing.reason.startswith("fp16 overflow: max |activation|")
+
+
+class PinnedInCode(Overflowing):
+    """``Overflowing`` with its forward pinned to fp32 in code."""
+
+    @fwd_default_precision
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_an_fp32_run_does_not_flag_modules_that_run_in_fp32_under_autocast():
+    """An fp16 run skips them (their output stays fp32); an fp32 run flagged them and
+    proposed the pin that was already applied."""
+    model = planted_model()
+    model["in_code"] = PinnedInCode()
+    apply_fp32_modules(model, ["overflowing"])
+    for precision in ("fp32", "fp16"):
+        report = probe(model, precision)
+        by_name = {m.name: m for m in report.modules}
+        for name in ("overflowing", "overflowing.linear", "in_code", "in_code.linear"):
+            assert by_name[name].verdict == FINE and by_name[name].range_checked == [], name
+        assert "overflow" not in report.overall["fp16"]
+    assert report.fix_line() == "precision.fp32_modules=[cancelling]"  # the fp16 run
+    fp32 = probe(model, "fp32")
+    assert fp32.fp16_safe and fp32.fix_line() is None
+    assert {m.name: m for m in fp32.modules}["healthy.0"].range_checked == ["fp16", "bf16"]
+
+
+def test_gradient_accumulation_measures_each_micro_batch_not_the_running_sum():
+    """The post-accumulate hook read param.grad, the window's running sum: one overflowing
+    micro-batch counted in both, and two gradients of 40000 (which fit fp16) as 80000."""
+    linear = nn.Linear(4, 1, bias=False)
+    gradients = GradientProbe({"m": linear}, grads_are_scaled=True)  # as in an fp16 run
+    with gradients:
+        linear(torch.full((1, 4), float("inf"))).sum().backward()  # overflows
+        linear(torch.full((1, 4), 40000.0)).sum().backward()  # no zero_grad: accumulates
+    stats = gradients.stats["m.weight"]
+    assert (stats.backwards, stats.overflow_backwards, stats.nonfinite) == (2, 1, 4)
+    assert stats.max_abs_scaled == 40000.0
+    linear.weight.grad = None
+    gradients = GradientProbe({"m": linear}, grads_are_scaled=True)
+    with gradients:
+        for _ in range(2):
+            linear(torch.full((1, 4), 40000.0)).sum().backward()
+    stats = gradients.stats["m.weight"]
+    assert stats.max_abs_scaled == 40000.0 and stats.overflow_backwards == 0
+    assert stats.headroom_bits == pytest.approx(math.log2(65504 / 40000))
+    assert torch.equal(linear.weight.grad, torch.full((1, 4), 80000.0))  # grads untouched
+
+
+def test_a_parameter_whose_gradients_all_overflowed_has_no_headroom_and_comes_first():
+    overflowed, healthy = nn.Linear(4, 1, bias=False), nn.Linear(4, 1, bias=False)
+    modules = nn.ModuleDict({"overflowed": overflowed, "healthy": healthy})
+    gradients = GradientProbe(modules, grads_are_scaled=True)
+    with gradients:
+        overflowed(torch.full((1, 4), float("inf"))).sum().backward()
+        healthy(torch.full((1, 4), 30000.0)).sum().backward()
+    report = build_report(ActivationProbe(modules), gradients, "fp16", 1, "GradScaler")
+    assert [p.name for p in report.parameters] == ["overflowed.weight", "healthy.weight"]
+    assert report.parameters[0].headroom_bits == -math.inf
+    assert report.parameters[1].headroom_bits == pytest.approx(math.log2(65504 / 30000))
+    assert "| overflowed.weight | fine | 0.00% | 0.00% | overflowed | 1/1 |" in (
+        format_markdown(report)
+    )
+    assert report.to_json()["parameters"][0]["headroom_bits"] == "-inf"
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_range_counts_agree_with_what_a_cast_does(precision):
+    """Overflow, flush to zero and subnormal are where a round-to-nearest cast puts a
+    value: fp16 rounds [65504, 65520) to 65504 and exactly 2^-25 to 0."""
+    dtype, fmt = REDUCED[precision], FORMATS[precision]
+    largest = torch.tensor(fmt.max_finite, dtype=dtype)
+    ulp = float(largest - torch.nextafter(largest, torch.tensor(0.0, dtype=dtype)))
+    # the midpoints a cast rounds across, and the representable extremes
+    edges = [fmt.max_finite + ulp / 2, fmt.smallest_subnormal / 2]
+    edges += [fmt.smallest_normal - fmt.smallest_subnormal / 2]
+    edges += [fmt.max_finite, fmt.smallest_normal, fmt.smallest_subnormal]
+    values = []
+    for edge in torch.tensor(edges, dtype=torch.float32):
+        below = torch.nextafter(edge, torch.tensor(0.0))
+        above = torch.nextafter(edge, torch.tensor(math.inf))
+        values += [below, edge, above, torch.nextafter(below, torch.tensor(0.0))]
+    values = torch.stack(values)
+    values = values[torch.isfinite(values)]
+    for value in values:
+        cast = value.to(dtype).float().abs()
+        counts = range_counts(value.reshape(1), fmt)
+        expected = (
+            int(torch.isinf(cast)),
+            int(cast == 0),
+            int(0 < cast < fmt.smallest_normal),
+        )
+        assert (counts.overflow, counts.flush_to_zero, counts.subnormal) == expected, value
+    fp16 = FORMATS["fp16"]
+    assert range_counts(torch.tensor([65519.0, 65520.0]), fp16).overflow == 1
+    assert range_counts(torch.tensor([2.0**-25]), fp16).flush_to_zero == 1
+
+
+class BatchNormBrain(Brain):
+    def compute_forward(self, batch, stage):
+        return self.modules.model(batch[0].to(self.device))
+
+    def compute_objectives(self, predictions, batch, stage):
+        return predictions.float().square().mean()
+
+
+def test_activations_are_measured_with_batchnorm_on_batch_statistics():
+    """In eval mode a BatchNorm of a model trained a few steps normalizes with running
+    statistics near their initial (0, 1): ranges that training, on batch statistics,
+    never sees (here ~1000x larger). The probe leaves the running statistics alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))
+    brain = BatchNormBrain(
+        {"model": model},
+        lambda params: torch.optim.SGD(params, lr=0.0),
+        run_opts={"device": "cpu", "noprogressbar": True},
+    )
+    batches = [(1000.0 * torch.randn(32, 8) + 5000.0,) for _ in range(2)]
+    probes = probe_training_batches(brain, batches, 2)
+    norm = probes.activations.stats["model.1"]
+    assert norm.max_abs < 10  # normalized by the batch, as in training
+    assert probes.activations.stats["model.2"].relative_error == 0.0  # no dropout
+    from amp_utils.numerics import probe_mode
+
+    norm_module = model[1]
+    before = {k: v.clone() for k, v in norm_module.state_dict().items()}
+    model.train()
+    with torch.no_grad(), probe_mode(model):
+        assert norm_module.training and not model[2].training and not model.training
+        model(batches[0][0])
+    assert model.training and model[2].training
+    assert all(torch.equal(v, norm_module.state_dict()[k]) for k, v in before.items())
+
+
 # ------------------------------------------------------------------ fp32_modules
 
 
@@ -349,7 +570,12 @@ def test_recipe_report_fp32_predicts_both_formats(tmp_path, fsdd_root):
     report, out = diagnose_recipe(tmp_path, fsdd_root, "fp32")
     assert_no_false_alarm(report)
     assert all(m.relative_error == 0.0 for m in report.modules)  # nothing to compare in fp32
-    assert all(m.range_checked == ["fp16", "bf16"] for m in report.modules)
+    # the log-mel front end (and all in it) runs in fp32 under autocast, pinned in code: no
+    # range to fit; every other module is checked against both formats
+    in_features = {m.name for m in report.modules if m.name.split(".")[0] == "features"}
+    assert "features" in in_features
+    assert {m.name for m in report.modules if not m.range_checked} == in_features
+    assert all(m.range_checked == ["fp16", "bf16"] for m in report.modules if m.range_checked)
     assert "error not measured (diagnose with precision=fp16)" in report.overall["fp16"]
     assert report.loss_scale == 2.0**16
     assert json.loads((out / "numerics.json").read_text())["precision"] == "fp32"
@@ -379,6 +605,17 @@ def test_recipe_fp32_modules_fix_runs_those_modules_in_fp32(
         assert before[name].relative_error > 0 and before[name].range_checked
         assert after[name].relative_error == 0.0 and after[name].range_checked == []
     assert after["model.blocks.0.ffn1"].relative_error > 0  # the others still in fp16
+
+
+@pytest.mark.slow  # one more diagnosis of the recipe: ~30 s on 2 cores
+def test_recipe_diagnosis_with_compile_says_it_runs_eagerly(tmp_path, fsdd_root, caplog):
+    """The diagnosis steps eagerly (its probes hook every module) and training turns
+    ``fused_weight_casts`` off under compile: it said neither."""
+    with caplog.at_level("WARNING", logger="recipes.diagnose"):
+        _, out = diagnose_recipe(tmp_path, fsdd_root, "fp16", "trainer.compile=true")
+    assert "runs the model eagerly (uncompiled)" in caplog.text
+    assert "fused_weight_casts` (off in this run)" in (out / "step_operations.md").read_text()
+    assert json.loads((out / "step_operations.json").read_text())["fused_weight_casts"] is False
 
 
 def test_recipe_unknown_fp32_module_pattern_fails_naming_modules():

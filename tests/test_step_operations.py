@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
+from amp_utils import Brain
 from amp_utils.module_precision import apply_low_precision_norms, run_in_fp32
-from amp_utils.step_operations import count_step_operations, step_operations
+from amp_utils.step_operations import (
+    count_step_operations,
+    step_operations,
+    training_step_operations,
+)
 from amp_utils.weight_casts import WeightCasts
 
 
@@ -148,3 +154,33 @@ def test_views_and_autograd_bookkeeping_are_not_operations():
     views = [aten.view.default, aten.t.default, aten.detach.default, aten._unsafe_view.default]
     assert not any(map(is_operation, views))
     assert all(map(is_operation, [aten.mm.default, aten._to_copy.default, aten.cat.default]))
+
+
+class BlockBrain(Brain):
+    def compute_forward(self, batch, stage):
+        return self.modules.model(batch.to(self.device))
+
+    def compute_objectives(self, predictions, batch, stage):
+        return predictions.float().square().mean()
+
+
+@pytest.mark.parametrize("compile_modules", [False, True])
+def test_the_report_says_whether_training_fuses_the_weight_casts(compile_modules):
+    """Training turns ``fused_weight_casts`` off under ``trainer.compile`` (torch.compile
+    fuses the casts itself): the report said "on in this run" from the option alone."""
+    brain = BlockBrain(
+        {"model": Block()},
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        run_opts={
+            "device": "cpu",
+            "noprogressbar": True,
+            "precision": "bf16",
+            "compile": compile_modules,
+            "fused_weight_casts": True,
+        },
+    )
+    report = training_step_operations(brain, torch.randn(3, 8))
+    assert report.low.fusable_weights == 4
+    assert report.fused_weight_casts is not compile_modules
+    state = "off" if compile_modules else "on"
+    assert f"`precision.fused_weight_casts` ({state} in this run)" in report.markdown()
