@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import resource
 import sys
@@ -36,8 +37,21 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
         return
     # Not Linux, or not allowed: the peak then covers the whole process.
+    gc.collect()
+    _trim_heap()
     with contextlib.suppress(OSError):
         _CLEAR_REFS.write_text("5")
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``).
+
+    The window's peak RSS starts from the RSS at its reset: memory that earlier work in
+    this process freed but the allocator kept (a sweep's earlier runs, in one process)
+    would count as this run's. Elsewhere (no glibc) a no-op.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _vm_hwm_mb() -> float | None:
