@@ -6,7 +6,8 @@
 
 Takes the same config groups and overrides as ``recipes/train.py``, trains a few batches
 (from scratch; nothing is saved) and writes ``numerics.md`` and ``numerics.json`` into its run
-folder and log2|x| histograms of activations and gradients into ``tb/``. It also writes
+folder and log2|x| histograms of activations and gradients into ``tb/<time>/`` (a TensorBoard
+run per diagnosis). It also writes
 ``activation_memory.md``/``.json``: what the backward pass keeps of one batch under fp32 and
 under the precision, by dtype and module (why bf16/fp16 save less memory than half), and
 ``step_operations.md``/``.json``: the operations of one training step under fp32 and under the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -96,13 +98,19 @@ def diagnose(cfg: DictConfig) -> NumericsReport:
         batches=probes.batches,
         loss_scale_source=probes.loss_scale_source,
         fp32_modules=fp32_modules,
-        context={"model": cfg.model.name, "data": cfg.data.name, "device": brain.device.type},
+        context={
+            "model": cfg.model.name,
+            "data": f"{cfg.data.name} ({data_source(cfg.data)})",
+            "device": brain.device.type,
+        },
     )
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "numerics.md", format_markdown(report))
     atomic_write_json(out / "numerics.json", report.to_json())
-    tensorboard = TensorBoardLogger(out / "tb")
+    # one TensorBoard run per diagnosis: a second one into the folder would add its
+    # histograms under the first one's tags
+    tensorboard = TensorBoardLogger(out / "tb" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     try:
         log_histograms(tensorboard.writer, probes.activations, probes.gradients)
     finally:
@@ -132,6 +140,13 @@ def diagnose(cfg: DictConfig) -> NumericsReport:
     logger.info("fix: %s", report.fix_line() or "none needed")
     logger.info("report: %s", out / "numerics.md")
     return report
+
+
+def data_source(data_cfg: DictConfig) -> str:
+    """Where the diagnosed data came from: FSDD's folder, or the manifests."""
+    if data_cfg.name == "manifest":
+        return ", ".join(str(data_cfg[split]) for split in ("train", "valid", "test"))
+    return str(data_cfg.root)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="diagnose")

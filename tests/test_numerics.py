@@ -679,6 +679,21 @@ def test_bad_diagnose_values_fail_before_any_work(override, message):
 
 
 @pytest.mark.slow  # the command line, end to end: ~30 s on 2 cores
+def test_diagnoses_of_two_corpora_get_two_folders():
+    """data.root was left out of the diagnose folder's name (as for training runs, where a
+    run may move): a diagnosis of another corpus overwrote the first one's report."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    folders = []
+    for root in ("/corpus/A", "/corpus/B"):
+        with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+            cfg = compose("diagnose", [f"data.root={root}"], return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            folders.append(cfg.hydra.run.dir)
+    assert folders[0] != folders[1] and "corpus_A" in folders[0]
+
+
 def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
     import os
 
@@ -698,6 +713,8 @@ def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
     assert "fp16: safe" in result.stderr + result.stdout
     assert json.loads((run_dir / "numerics.json").read_text())["batches"] == 1
     assert (run_dir / "numerics.md").read_text().startswith("# Numerics report (fp32")
+    assert f"fsdd_digits ({fsdd_root})" in (run_dir / "numerics.md").read_text()
+    assert len(list((run_dir / "tb").glob("*/events.out.tfevents.*"))) == 1  # a run of its own
     bad = run_command(recipe_command("diagnose.py", [*args, "precision.fp32_modules=[nope]"]), env)
     assert bad.returncode == 1
     assert (
