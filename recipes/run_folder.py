@@ -198,6 +198,43 @@ def _task_config(config: DictConfig) -> DictConfig:
     return task_cfg
 
 
+def sweep_choice_problem(config: DictConfig) -> str | None:
+    """What is wrong with a value a trial-drawing sweeper could choose, or None.
+
+    Hydra's basic sweeper composes every job before the first one runs, so a typo in
+    ``precision=fp32,bf61`` fails at once. A sweeper that draws its trials (Optuna)
+    composes each trial when it draws it: a typo in a ``choice(...)`` (on the command line
+    or in ``hydra.sweeper.params``) ended the sweep at the first trial that drew it, after
+    the earlier ones had trained. Each choice is composed here once, beside the first
+    choice of every other discrete sweep (intervals keep their config value).
+    """
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = config.hydra.sweeper.get("params") or {}
+    texts = [str(o) for o in config.hydra.overrides.task]
+    texts += [f"{key}={value}" for key, value in params.items()]
+    parsed = OverridesParser.create().parse_overrides(texts)
+    plain = [text for text, o in zip(texts, parsed, strict=True) if not o.is_sweep_override()]
+    choices = {
+        o.get_key_element(): list(o.sweep_string_iterator())
+        for o in parsed
+        if o.is_discrete_sweep()
+    }
+    loader = GlobalHydra.instance().config_loader()
+    for key, values in choices.items():
+        for value in values:
+            others = [f"{k}={v[0]}" for k, v in choices.items() if k != key and v]
+            try:
+                loader.load_sweep_config(config, [*plain, *others, f"{key}={value}"])
+            except Exception as err:  # Hydra's composition errors, schema validation
+                reason = str(err).split("\nConfig search path:")[0].strip()  # Hydra's listing
+                if err.__cause__ is not None:  # "Error merging override ...": and why
+                    reason += f" ({str(err.__cause__).splitlines()[0]})"
+                return f"the sweep's {key}={value} does not compose: {reason}"
+    return None
+
+
 class RunFolderCallback(Callback):
     """Hydra callback: check a single run before Hydra writes into its folder.
 
@@ -205,13 +242,18 @@ class RunFolderCallback(Callback):
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Refuse a sweeper that would tune the wrong way before its first trial (each
-        trial would be refused the same way, after the sweep had started)."""
+        """Refuse a sweeper that would tune the wrong way, or a choice it would draw that
+        does not compose, before its first trial (each trial would be refused the same
+        way, after the sweep had started)."""
         task_cfg = _task_config(config)
         try:
             check_sweep_direction(task_cfg, sweeper_direction(config.hydra.sweeper))
         except USER_ERRORS as err:
             sys.exit(f"error: {err}")
+        if "params" in config.hydra.sweeper:  # a sweeper that draws trials (Optuna)
+            problem = sweep_choice_problem(config)
+            if problem is not None:
+                sys.exit(f"error: {problem}")
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""

@@ -105,3 +105,27 @@ def test_an_optuna_search_goes_on_past_failed_trials(tmp_path, fsdd_root):
     assert result.returncode == 1 and "2 of 2 sweep jobs failed" in result.stderr
     rows = (sweep_dir / "summary.md").read_text()
     assert rows.count("| failed |") == 2
+
+
+@pytest.mark.parametrize(
+    ("choice", "message"),
+    [
+        ("precision=choice(fp32,bf61)", "precision=bf61 does not compose: In 'config': Could not"),
+        ("model.dropout=choice(0.1,abc)", "model.dropout=abc does not compose"),
+    ],
+)
+def test_a_choice_an_optuna_search_cannot_compose_is_refused_before_its_first_trial(
+    tmp_path, fsdd_root, choice, message
+):
+    """The Optuna sweeper composes a trial when it draws it: a typo in a choice ended the
+    search at the first trial that drew it, after the earlier ones had trained."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        ["-m", "model=xvector", "hparams_search=speaker_optuna", choice, *FAST]
+        + [f"hydra.sweep.dir={sweep_dir}"],
+        fsdd_root,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert message in result.stderr and not sweep_dir.exists()
