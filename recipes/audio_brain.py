@@ -106,7 +106,7 @@ class AudioBrain(Brain):
                 batch.host = replace(batch.host, wav_lens=host_lens)
         feats, feat_lens = self.modules.features(wavs, wav_lens)
         if stage == Stage.TRAIN and "augment" in self.modules:
-            feats = self.modules.augment(feats)
+            feats = self.modules.augment(feats, feat_lens)
         return feats, feat_lens
 
     # -------------------------------------------------------------- metrics

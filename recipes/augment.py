@@ -307,7 +307,10 @@ class SpecAugment(torch.nn.Module):
     """Frequency and time masking of ``[B, frames, n_mels]`` features, in training only.
 
     Masks are drawn independently per utterance. Masked values are set to 0, the mean of
-    normalised features.
+    normalised features. Given the utterances' lengths in frames, time masks fall inside
+    each utterance, as torchaudio's ``TimeMasking`` draws them over a whole spectrogram:
+    drawn over the padded batch, a short utterance's masks would land in its padding (more
+    so with ``data.pad_to_buckets``, the CUDA default), and it would be masked less.
 
     Args:
         freq_mask: widest frequency mask, in mel bins.
@@ -334,11 +337,16 @@ class SpecAugment(torch.nn.Module):
         self.freq_warp = float(freq_warp)
         self.n_freq_masks = n_freq_masks
         self.n_time_masks = n_time_masks
+        self.time_mask = int(time_mask)
         self.freq_masking = torchaudio.transforms.FrequencyMasking(freq_mask, iid_masks=True)
         self.time_masking = torchaudio.transforms.TimeMasking(time_mask, iid_masks=True)
 
-    def forward(self, feats: torch.Tensor) -> torch.Tensor:
-        """Masked copy of ``feats`` in training mode; ``feats`` itself in eval mode."""
+    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """Masked copy of ``feats`` in training mode; ``feats`` itself in eval mode.
+
+        ``feat_lens``: each utterance's valid frames (``[B]``); None: the whole padded
+        length is the utterance's.
+        """
         if not self.training:
             return feats
         if self.freq_warp > 0:
@@ -347,9 +355,27 @@ class SpecAugment(torch.nn.Module):
         spec = feats.transpose(1, 2).unsqueeze(1)  # [B, 1, n_mels, frames]
         for _ in range(self.n_freq_masks):
             spec = self.freq_masking(spec)
+        if feat_lens is None:
+            for _ in range(self.n_time_masks):
+                spec = self.time_masking(spec)
+            return spec.squeeze(1).transpose(1, 2)
+        feats = spec.squeeze(1).transpose(1, 2)
         for _ in range(self.n_time_masks):
-            spec = self.time_masking(spec)
-        return spec.squeeze(1).transpose(1, 2)
+            feats = self.mask_time(feats, feat_lens)
+        return feats
+
+    def mask_time(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> torch.Tensor:
+        """One time mask per utterance inside its ``feat_lens`` frames: torchaudio's draw
+        (width ``U[0, time_mask)``, start uniform over where it fits), over the utterance's
+        own length instead of the padded one."""
+        batch, frames = feats.shape[:2]
+        lengths = feat_lens.to(device=feats.device, dtype=torch.float32)
+        width = torch.rand(batch, device=feats.device) * self.time_mask
+        start = (torch.rand(batch, device=feats.device) * (lengths - width).clamp(min=0)).long()
+        end = start + width.long()
+        index = torch.arange(frames, device=feats.device).unsqueeze(0)
+        masked = (index >= start.unsqueeze(1)) & (index < end.unsqueeze(1))  # [B, frames]
+        return feats.masked_fill(masked.unsqueeze(-1), 0.0)
 
 
 def build_augment(data_cfg: DictConfig) -> SpecAugment | None:

@@ -223,3 +223,26 @@ def test_random_channel_share_and_range_checks() -> None:
     for prob, db in ((1.5, 10.0), (0.5, -1.0)):
         with pytest.raises(ValueError, match="channel_prob .* channel_db"):
             WaveAugment(SR, channel_prob=prob, channel_db=db)
+
+
+def test_time_masks_fall_inside_each_utterance_not_in_its_padding() -> None:
+    """A 50-frame utterance padded to 400 frames (pad_to_buckets pads to bucket edges):
+    drawn over the padded length, its masks mostly landed in the padding, and it was
+    masked about 8x less than the same utterance alone."""
+    torch.manual_seed(0)
+    augment = SpecAugment(freq_mask=0, time_mask=20, n_freq_masks=0, n_time_masks=2).train()
+    lengths = torch.tensor([50, 400, 5])
+    shares, padding_masked = [], 0
+    for _ in range(200):
+        feats = torch.ones(3, 400, 4)
+        feats[0, 50:] = 0.0  # padding is zeros, as the front end leaves it
+        feats[2, 5:] = 0.0
+        out = augment(feats, lengths)
+        masked = (out == 0).all(dim=-1)  # [B, frames]
+        shares.append(masked[0, :50].float().mean().item())
+        padding_masked += int((out[0, 50:] != 0).any()) + int((out[2, 5:] != 0).any())
+    assert padding_masked == 0
+    # two masks of U[0, 20) frames: ~2 x 9.5 of 50 frames, less their overlaps
+    assert 0.25 < sum(shares) / len(shares) < 0.4
+    unmasked = augment(torch.ones(3, 400, 4), lengths)  # the 400-frame one is masked too
+    assert (unmasked[1] == 0).all(dim=-1).any()
