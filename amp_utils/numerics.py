@@ -423,24 +423,21 @@ def probe_mode(module: nn.Module) -> Iterator[None]:
     training never sees. The BatchNorm buffers the forward passes update (running mean
     and variance, ``num_batches_tracked``) are put back afterwards, as is every mode.
     """
-    modes = {m: m.training for m in module.modules()}
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     saved = [
         {name: buf.detach().clone() for name, buf in norm.named_buffers(recurse=False)}
         for norm in norms
     ]
-    module.eval()
-    for norm in norms:
-        norm.train()
-    try:
-        yield
-    finally:
-        for m, training in modes.items():
-            m.training = training
-        with torch.no_grad():
-            for norm, buffers in zip(norms, saved, strict=True):
-                for name, value in buffers.items():
-                    getattr(norm, name).copy_(value)
+    with eval_mode(module):  # every mode restored after it
+        for norm in norms:
+            norm.train()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for norm, buffers in zip(norms, saved, strict=True):
+                    for name, value in buffers.items():
+                        getattr(norm, name).copy_(value)
 
 
 @dataclass

@@ -814,20 +814,25 @@ def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
     assert "not divisible by num_heads" in logs[1]
 
 
-def test_rerunning_a_finished_sweep_changes_no_file(fsdd_root, prepared_digits, tmp_path):
-    """The job's train.log gained the "has finished" line and the sweep's HParams event
-    file was deleted and written anew under another name. What changes is the sweep's
-    bookkeeping: the new multirun's id, and the job's record of its new attempt."""
-    sweep = tmp_path / "sweep"
-    args = [
+def one_epoch_fp32_sweep(prepared: Path, sweep: Path) -> list[str]:
+    """The arguments of a one-job fp32 sweep of one debug epoch into ``sweep``."""
+    return [
         "-m",
         "precision=fp32",
         *FAST,
         "trainer.epochs=1",
         "trainer.debug_epochs=1",
-        f"data.prepared_dir={prepared_digits}",
+        f"data.prepared_dir={prepared}",
         f"hydra.sweep.dir={sweep}",
     ]
+
+
+def test_rerunning_a_finished_sweep_changes_no_file(fsdd_root, prepared_digits, tmp_path):
+    """The job's train.log gained the "has finished" line and the sweep's HParams event
+    file was deleted and written anew under another name. What changes is the sweep's
+    bookkeeping: the new multirun's id, and the job's record of its new attempt."""
+    sweep = tmp_path / "sweep"
+    args = one_epoch_fp32_sweep(prepared_digits, sweep)
     first = run_cli("train.py", args, fsdd_root)
     assert first.returncode == 0, first.stderr[-3000:]
     bookkeeping = (MULTIRUN_ID_FILE, JOB_STATUS_FILE)
@@ -851,16 +856,8 @@ def test_a_folder_of_a_run_with_other_overrides_is_neither_resumed_nor_reported(
     fixed folder the same. Both are refused, naming the key, and leave the run as it was;
     what the folder name leaves out (trainer.epochs) may still change."""
     sweep = tmp_path / "sweep"
-    common = [
-        "-m",
-        "precision=fp32",
-        *FAST,
-        "trainer.epochs=1",
-        "trainer.debug_epochs=1",
-        f"data.prepared_dir={prepared_digits}",
-        f"hydra.sweep.dir={sweep}",
-        "hydra.sweep.subdir=job${hydra.job.num}",  # as a swept key's values would name it
-    ]
+    common = one_epoch_fp32_sweep(prepared_digits, sweep)
+    common.append("hydra.sweep.subdir=job${hydra.job.num}")  # as swept values would name it
     first = run_cli("train.py", [*common, "model.lr=1e-3"], fsdd_root)
     assert first.returncode == 0, first.stderr[-3000:]
     (job,) = (p.parent for p in sweep.glob("*/results.json"))
