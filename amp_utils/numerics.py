@@ -182,7 +182,7 @@ def runs_in_fp32(module: nn.Module) -> bool:
     if getattr(module, FP32_MARK, False):
         return True
     forward = getattr(module.forward, "__func__", module.forward)
-    return getattr(forward, "cast_inputs", None) is not None
+    return getattr(forward, "cast_inputs", None) in (torch.float32, torch.float64)
 
 
 def fp32_pinned_names(named: Mapping[str, nn.Module]) -> set[str]:

@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 
 JOB_STATUS_FILE = "job_status.json"  # in a job folder: how the job's last attempt went
 MULTIRUN_ID_FILE = ".multirun_id"  # in the sweep folder: the multirun that launched the jobs
+#: The multirun's id in the environment of its process, which its jobs inherit (local,
+#: submitit and SLURM launchers); several ``-m`` processes into one sweep folder (torchrun
+#: ranks, sweeps run side by side) each keep their own.
+MULTIRUN_ID_ENV = "AMP_UTILS_MULTIRUN_ID"
 MISSING = "—"
 SPEEDUP_COLUMN = "speed-up vs fp32"
 _LEADING_COLUMNS = ("run", "status", "precision", "device", "processes", "model", "data")
@@ -459,6 +464,11 @@ def write_hparams_experiment(sweep_dir: Path, runs: list[dict[str, Any]]) -> lis
         return []
 
 
+def _is_rank_zero() -> bool:
+    """Whether this process is rank 0 of a torchrun launch (or not launched by torchrun)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 class SweepSummaryCallback(Callback):
     """Hydra callback that summarizes the sweep when a multirun ends.
 
@@ -479,6 +489,9 @@ class SweepSummaryCallback(Callback):
         into the same folder: this multirun's jobs, as they went this time)."""
         sweep_dir = Path(config.hydra.sweep.dir)
         self.multirun = uuid.uuid4().hex
+        os.environ[MULTIRUN_ID_ENV] = self.multirun
+        if not _is_rank_zero():  # under torchrun every rank runs the sweep: rank 0 records it
+            return
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(sweep_dir / MULTIRUN_ID_FILE, self.multirun + "\n")
@@ -495,6 +508,8 @@ class SweepSummaryCallback(Callback):
                 into a warning, and the sweep would end as if all were well).
         """
         sweep_dir = Path(config.hydra.sweep.dir)
+        if not _is_rank_zero():  # its jobs recorded nothing: rank 0 summarises the sweep
+            return
         if not sweep_dir.is_dir():
             log.warning("Sweep directory %s does not exist; no summary written", sweep_dir)
             return

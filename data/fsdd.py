@@ -13,6 +13,7 @@ user's own takes, macOS ``._*.wav`` metadata) are ignored, never read as FSDD.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tarfile
 from collections.abc import Sequence
@@ -65,7 +66,8 @@ def _expected_present(folder: Path) -> list[Path]:
     """The expected recordings (``FSDD_RECORDING_NAMES``) in ``folder``, in name order."""
     if not folder.is_dir():
         return []
-    return [folder / name for name in FSDD_RECORDING_NAMES if (folder / name).is_file()]
+    present = set(os.listdir(folder))  # one listing, not 3000 stat calls (network drives)
+    return [folder / name for name in FSDD_RECORDING_NAMES if name in present]
 
 
 def recordings_sha256(recordings_dir: str | Path) -> str:

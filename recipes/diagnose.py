@@ -16,9 +16,9 @@ precision, with its casts sorted (why bf16/fp16 may be no faster on a GPU).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
-import time
 from pathlib import Path
 
 import hydra
@@ -110,7 +110,8 @@ def diagnose(cfg: DictConfig) -> NumericsReport:
     atomic_write_json(out / "numerics.json", report.to_json())
     # one TensorBoard run per diagnosis: a second one into the folder would add its
     # histograms under the first one's tags
-    tensorboard = TensorBoardLogger(out / "tb" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    started = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
+    tensorboard = TensorBoardLogger(out / "tb" / started)
     try:
         log_histograms(tensorboard.writer, probes.activations, probes.gradients)
     finally:

@@ -369,7 +369,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             task=cfg.model.task,
             data=cfg.data.name,
             dataset=data.record,
-            overrides=_overrides(),
+            overrides=hydra_task_overrides(),  # None outside @hydra.main: not recorded
             test_metrics=test_metrics,
             tested_checkpoint=tested,
             # The tested weights' validation metrics (not the last epoch's).

@@ -36,8 +36,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
+from amp_utils.distributed import launched_distributed
 from amp_utils.run_results import RESULTS_FILE, RunResults
-from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_FILE
+from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_ENV, MULTIRUN_ID_FILE
 from recipes.config import ConfigError
 from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
 
@@ -59,7 +60,10 @@ def _parsed_overrides(overrides: Sequence[str], exclude_keys: Collection[str]) -
         key = override.key_or_group + (f"@{override.package}" if override.package else "")
         if key in exclude_keys or key.startswith(("hydra.", "hydra/")) or key == "hydra":
             continue
-        parsed[key] = None if override.is_delete() else override.value()
+        value = None if override.is_delete() else override.value()
+        # ~key is not key=null, nor true 1: a value compares with its kind
+        kind = "bool" if isinstance(value, bool) else ""
+        parsed[key] = (override.is_delete(), kind, value)
     return parsed
 
 
@@ -115,7 +119,10 @@ _UNSET = object()
 
 
 def _shown(overrides: dict[str, Any], key: str) -> str:
-    return repr(overrides[key]) if key in overrides else "not set"
+    if key not in overrides:
+        return "not set"
+    deleted, _, value = overrides[key]
+    return "deleted" if deleted else repr(value)
 
 
 def override_dirname_excludes(hydra_cfg: DictConfig) -> list[str]:
@@ -453,13 +460,16 @@ class JobStatus:
 
         if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
             return cls(None, None)
+        launched_distributed()  # a multi-task submitit job's tasks learn their RANK here
         if int(os.environ.get("RANK", "0")) != 0:
             return cls(None, None)
         hydra_cfg = HydraConfig.get()
-        try:
-            multirun = (Path(hydra_cfg.sweep.dir) / MULTIRUN_ID_FILE).read_text().strip()
-        except OSError:
-            multirun = None
+        multirun = os.environ.get(MULTIRUN_ID_ENV)  # this process's multirun (or its parent's)
+        if multirun is None:  # a launcher that does not pass the environment on
+            try:
+                multirun = (Path(hydra_cfg.sweep.dir) / MULTIRUN_ID_FILE).read_text().strip()
+            except OSError:
+                multirun = None
         return cls(Path(hydra_cfg.runtime.output_dir) / JOB_STATUS_FILE, multirun)
 
     def write(self, status: str, error: str | None = None) -> None:

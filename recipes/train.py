@@ -34,7 +34,8 @@ def main(cfg: DictConfig) -> float | None:
 
     In a ``-m`` sweep a job that fails (bad input, a diverged loss, a bug) ends alone: its
     folder keeps the error, the sweep goes on with the other jobs, the summary lists it as
-    failed and the sweep exits with status 1; a sweeper gets NaN (Optuna: a failed trial).
+    failed and the sweep exits with status 1; a sweeper gets the worst value for its
+    direction (``run_folder.failed_job_value``), and the search goes on.
     """
     return run_job(lambda: sweep_objective(cfg, train(cfg)))
 

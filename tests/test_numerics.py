@@ -307,6 +307,24 @@ def test_an_fp32_run_does_not_flag_modules_that_run_in_fp32_under_autocast():
     assert {m.name: m for m in fp32.modules}["healthy.0"].range_checked == ["fp16", "bf16"]
 
 
+def test_only_a_forward_cast_to_fp32_or_fp64_runs_in_fp32():
+    from amp_utils.autocast import fwd_default_precision
+    from amp_utils.numerics import runs_in_fp32
+
+    def module_casting_to(dtype: torch.dtype | None) -> nn.Module:
+        class Cast(nn.Linear):
+            @fwd_default_precision(cast_inputs=dtype)
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return super().forward(x)
+
+        return Cast(2, 2)
+
+    assert runs_in_fp32(module_casting_to(torch.float32))
+    assert runs_in_fp32(module_casting_to(torch.float64))
+    assert not runs_in_fp32(module_casting_to(torch.float16))  # a 16-bit forward is checked
+    assert not runs_in_fp32(module_casting_to(None)) and not runs_in_fp32(nn.Linear(2, 2))
+
+
 def test_gradient_accumulation_measures_each_micro_batch_not_the_running_sum():
     """The post-accumulate hook read param.grad, the window's running sum: one overflowing
     micro-batch counted in both, and two gradients of 40000 (which fit fp16) as 80000."""

@@ -283,6 +283,7 @@ def test_connected_digits_run_reports_wer(tmp_path, fsdd_root, fsdd_recordings):
     )
     results = train(cfg)
     assert set(results["test_metrics"]) == {"loss", "CER", "WER"}
+    assert results["overrides"] is None  # trained from code: no command line to record
     (plans_path,) = (tmp_path / "prep").glob("plans-*/test.plan.jsonl")
     plans = read_plan(plans_path)
     assert len(plans) == 4 and all(2 <= len(p.transcript.split()) <= 7 for p in plans)
@@ -825,6 +826,31 @@ def one_epoch_fp32_sweep(prepared: Path, sweep: Path) -> list[str]:
         f"data.prepared_dir={prepared}",
         f"hydra.sweep.dir={sweep}",
     ]
+
+
+def test_check_run_overrides_compares_values_and_their_kind(tmp_path):
+    """~key is not key=null, true is not 1; 1e-3 is 0.001; a run trained from code (no
+    overrides recorded: results.json's overrides null) is not checked."""
+    from recipes.run_folder import RUN_OVERRIDES_FILE, check_run_overrides
+
+    def record(*overrides: str) -> None:
+        OmegaConf.save(OmegaConf.create(list(overrides)), tmp_path / RUN_OVERRIDES_FILE)
+
+    record("model.lr=1e-3", "trainer.compile=true", "~data.test_speakers")
+    check_run_overrides(
+        tmp_path, ["model.lr=0.001", "trainer.compile=true", "~data.test_speakers"], []
+    )
+    for changed, shown in (
+        ("trainer.compile=1", "trainer.compile: True there, 1 now"),
+        ("data.test_speakers=null", "data.test_speakers: deleted there, None now"),
+    ):
+        now = ["model.lr=0.001", "trainer.compile=true", "~data.test_speakers"]
+        now = [o for o in now if o.split("=")[0].lstrip("~") != changed.split("=")[0]]
+        with pytest.raises(ConfigError, match=re.escape(shown)):
+            check_run_overrides(tmp_path, [*now, changed], [])
+    (tmp_path / RUN_OVERRIDES_FILE).unlink()
+    (tmp_path / "results.json").write_text(json.dumps({"overrides": None}))
+    check_run_overrides(tmp_path, ["model=xvector"], [])  # nothing recorded: not checked
 
 
 def test_rerunning_a_finished_sweep_changes_no_file(fsdd_root, prepared_digits, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from omegaconf import OmegaConf
 
 from amp_utils.sweep_summary import (
     JOB_STATUS_FILE,
+    MULTIRUN_ID_ENV,
     MULTIRUN_ID_FILE,
     SweepSummaryCallback,
     _signed,
@@ -354,7 +356,10 @@ def test_a_sweep_run_again_lists_its_own_jobs_as_they_went_this_time(tmp_path: P
     assert every == {"0": "ok", "1": "ok", "2": "ok", "9_old": "failed"}
 
 
-def test_the_callback_summarizes_the_jobs_of_its_own_multirun(tmp_path: Path, capsys) -> None:
+def test_the_callback_summarizes_the_jobs_of_its_own_multirun(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setenv(MULTIRUN_ID_ENV, "")  # restored after the test: the callback sets it
     callback = SweepSummaryCallback()
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}})
     callback.on_multirun_start(config)
@@ -416,3 +421,62 @@ def test_held_out_speakers_keep_auto_runs_apart_from_fp32_runs(tmp_path: Path) -
     held_out = (tmp_path / "summary.md").read_text().split("## Held-out speakers", 1)[1]
     assert "conformer_ctc, fp32:" in held_out and "conformer_ctc, fp32 (auto):" in held_out
     assert held_out.count("| mean of 2 |") == 2 and "mean of 4" not in held_out
+
+
+def _multirun_job_config(sweep_dir: Path, job: str):
+    """Hydra's config as a job of a ``-m`` sweep into ``sweep_dir`` sees it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.types import RunMode
+    from omegaconf import open_dict, read_write
+
+    from recipes.config import register_resolvers
+    from recipes.schema import register_schemas
+
+    register_resolvers()
+    register_schemas()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", [f"hydra.sweep.dir={sweep_dir}"], return_hydra_config=True)
+    with read_write(cfg), open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN
+        cfg.hydra.runtime.output_dir = str(sweep_dir / job)
+    return cfg
+
+
+def test_two_sweeps_into_one_folder_each_summarize_their_own_jobs(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """torchrun -m (every rank a multirun) or sweeps run side by side into one folder:
+    the last one to start overwrote .multirun_id, the others' jobs recorded its id, and
+    their summaries found no run ("_No runs found._", exit 0 though a job failed)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from recipes.run_folder import JobStatus
+
+    monkeypatch.setenv(MULTIRUN_ID_ENV, "")
+    sweep = tmp_path / "sweep"
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    first, second = SweepSummaryCallback(), SweepSummaryCallback()
+    first.on_multirun_start(config)
+    first_env = dict(os.environ)
+    second.on_multirun_start(config)  # another process: the file now holds its id
+    monkeypatch.setattr(os, "environ", first_env)  # back in the first one's process
+    _write_job(sweep, "0", ["precision=fp32"], None)
+    HydraConfig.instance().set_config(_multirun_job_config(sweep, "0"))
+    JobStatus.for_this_job().write("failed", "RuntimeError: boom")
+    with pytest.raises(SystemExit, match="1 of 1 sweep jobs failed"):
+        first.on_multirun_end(config)
+
+
+def test_only_rank_zero_records_and_summarizes_a_torchrun_sweep(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv(MULTIRUN_ID_ENV, "")
+    monkeypatch.setenv("RANK", "1")
+    sweep = tmp_path / "sweep"
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    callback = SweepSummaryCallback()
+    callback.on_multirun_start(config)
+    _write_job(sweep, "0", ["precision=fp32"], None)
+    callback.on_multirun_end(config)
+    assert not (sweep / MULTIRUN_ID_FILE).exists() and not (sweep / "summary.md").exists()
