@@ -64,6 +64,7 @@ from amp_utils.interruption import (
     interrupted_error,
 )
 from amp_utils.loaders import (
+    epoch_fingerprint,
     make_loader,
     replays_its_order,
     seeded_generator,
@@ -225,6 +226,8 @@ class Brain:
         self.train_stats = dict(TRAIN_STATS)
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._resume_grads: dict[str, Any] | None = None  # its unfinished window's gradients
+        self._epoch_plan: str | None = None  # the training epoch's batch plan (its digest)
+        self._resume_plan: str | None = None  # the interrupted epoch's, from the checkpoint
         self._trained_batches = 0  # training batches of the epoch last trained
         self._stop_flag: torch.Tensor | None = None  # DDP: this rank caught a signal (0/1)
         self._ranks_signalled: torch.Tensor | None = None  # the batch's sum over the ranks
@@ -881,6 +884,8 @@ class Brain:
             self.ledger.train_loss = RunningMean()
         self._epoch_start = time.perf_counter()
         batches, total = start_epoch(train_set, epoch, skip)
+        self._epoch_plan = epoch_fingerprint(train_set)
+        self._check_resumed_plan(skip)
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
         wait_before = self.train_stats["data_wait_s"]
@@ -926,6 +931,23 @@ class Brain:
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
+
+    def _check_resumed_plan(self, skip: int) -> None:
+        """Warn when an epoch resumed in its middle has another batch plan than the one
+        its checkpoint was saved in: skipping the batches trained before then leaves other
+        utterances out (some trained twice in the epoch, others not at all)."""
+        saved, self._resume_plan = self._resume_plan, None
+        if skip == 0 or saved is None or self._epoch_plan is None or saved == self._epoch_plan:
+            return
+        logger.warning(
+            "epoch %s resumes %d batches in, but its batches are not those of the run that "
+            "saved the checkpoint (the data, their durations, the seed or the batching "
+            "options changed): the rest of this epoch trains other utterances than the "
+            "interrupted run would have, and the resumed run is not exact. The epochs after "
+            "it are as planned now.",
+            self.epoch_label(self._stage_epoch),
+            skip,
+        )
 
     def _report_data_wait(
         self, epoch: int, wait_s: float, epoch_s: float, train_set: DataLoader
@@ -1122,6 +1144,8 @@ class Brain:
             "train_stats": train_stats,
             "rng": capture_rng_state(),
             "pending_grads": self._pending_grads() if self._resume_step > 0 else None,
+            # inside an epoch: its batch plan, which a resume skipping into it must find
+            "epoch_plan": self._epoch_plan if self._resume_step > 0 else None,
         }
         if self.distributed.world_size > 1:
             # Each rank's generators drew for its own batches (dropout, SpecAugment), it
@@ -1154,6 +1178,7 @@ class Brain:
                 "at an epoch end."
             )
         self._resume_step = done // world_size
+        self._resume_plan = state.get("epoch_plan")
         self._resume_grads = self._saved_pending_grads(state, saved_world_size)
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -191,6 +191,17 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0) -> EpochBatches:
     return EpochBatches(batches, total)
 
 
+def epoch_fingerprint(loader: DataLoader) -> str | None:
+    """The digest of the loader's current epoch plan, from a sampler that offers one
+    (``epoch_fingerprint()``, e.g. ``data.sampler.DurationBatchSampler``); else None."""
+    sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    for candidate in (sampler, getattr(sampler, "sampler", None)):
+        fingerprint = getattr(candidate, "epoch_fingerprint", None)
+        if callable(fingerprint):
+            return str(fingerprint())
+    return None
+
+
 def timed_batches(batches: Iterable[Any], on_wait: Callable[[float], None]) -> Iterator[Any]:
     """``batches``, reporting to ``on_wait`` the seconds each one took to arrive.
 

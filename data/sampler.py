@@ -9,6 +9,8 @@ shuffling inside buckets and the batch order keeps epochs random but reproducibl
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -209,6 +211,16 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def _rank_batches(self) -> list[list[int]]:
         return self._kept_batches()[self.rank :: self.num_replicas]
+
+    def epoch_fingerprint(self) -> str:
+        """A digest of the current epoch's batch plan (all ranks, before any skip).
+
+        A checkpoint saved inside an epoch keeps it: a run resumed there skips the batches
+        it trained, which is exact only if the epoch's plan is still the same one (the same
+        data, durations, seed and batching options).
+        """
+        plan = json.dumps(self._all_batches(), separators=(",", ":"))
+        return hashlib.sha256(plan.encode("ascii")).hexdigest()[:16]
 
     def epoch_utterances(self) -> int:
         """Utterances in the current epoch's batches, all ranks together: fewer than

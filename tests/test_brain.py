@@ -578,7 +578,9 @@ def test_a_mid_epoch_checkpoint_counts_the_epochs_training_time_so_far(tmp_path)
     assert mid_epoch["brain"]["train_stats"]["time_s"] > epoch_end["brain"]["train_stats"]["time_s"]
 
 
-def fit_duration_batched(ckpt_dir, sampler_skips, stop_at=None, progressbar=False):
+def fit_duration_batched(
+    ckpt_dir, sampler_skips, stop_at=None, progressbar=False, durations=(1.0,) * 48
+):
     """Two epochs of 12 batches, a checkpoint per step; dies before batch ``stop_at``.
 
     ``sampler_skips``: a ``DurationBatchSampler`` through 2 loader workers (the sampler
@@ -597,7 +599,7 @@ def fit_duration_batched(ckpt_dir, sampler_skips, stop_at=None, progressbar=Fals
         checkpointer=Checkpointer(ckpt_dir),
     )
     if sampler_skips:
-        sampler = DurationBatchSampler([1.0] * 48, max_batch_seconds=4, seed=1, num_buckets=1)
+        sampler = DurationBatchSampler(list(durations), max_batch_seconds=4, seed=1, num_buckets=1)
         loader = DataLoader(make_data(48), batch_sampler=sampler, num_workers=2)
     else:
         loader = DataLoader(make_data(48), batch_size=4)
@@ -621,6 +623,23 @@ def test_resume_mid_epoch_trains_each_batch_once_and_counts_it_once(
     # The resumed epoch's bar starts at 5 of 12 and ends at 12 of 12.
     counts = re.findall(r"epoch 2/2 train:[^|]*\|[^|]*\| *(\d+)/(\d+)", capsys.readouterr().err)
     assert counts[0] == ("5", "12") and counts[-1] == ("12", "12"), counts
+
+
+def test_a_mid_epoch_resume_into_another_batch_plan_says_it_is_not_exact(tmp_path, caplog):
+    """The data changed between the kill and the resume (here two durations, as a manifest
+    whose durations now come from the audio headers): skipping the 5 batches trained leaves
+    other utterances out than the interrupted run would have, which went unnoticed."""
+    with pytest.raises(StopAfter):
+        fit_duration_batched(tmp_path / "same", True, stop_at=(2, 6))
+    with caplog.at_level(logging.WARNING):
+        fit_duration_batched(tmp_path / "same", True)
+    assert "not exact" not in caplog.text  # the same plan: nothing to say
+    with pytest.raises(StopAfter):
+        fit_duration_batched(tmp_path / "changed", True, stop_at=(2, 6))
+    changed = (0.5, 1.5, *(1.0,) * 46)
+    with caplog.at_level(logging.WARNING):
+        fit_duration_batched(tmp_path / "changed", True, durations=changed)
+    assert "epoch 2/2 resumes 5 batches in" in caplog.text and "not exact" in caplog.text
 
 
 def test_resume_at_epoch_end_gives_identical_weights(tmp_path):
