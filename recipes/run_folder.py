@@ -50,6 +50,12 @@ RESOLVED_CONFIG_FILE = "config_resolved.yaml"  # the config with every interpola
 RUN_OVERRIDES_FILE = "run_overrides.yaml"
 
 
+#: Keys a resumed run may change besides those left out of folder names: a run resumed
+#: under another number of processes keeps its effective batch with another accumulation
+#: factor (2 processes x 1 for 1 x 2; the Brain checks the epoch position fits).
+MAY_CHANGE_ON_RESUME = ("trainer.grad_accumulation_factor",)
+
+
 def _parsed_overrides(overrides: Sequence[str], exclude_keys: Collection[str]) -> dict[str, Any]:
     """``key -> value`` of Hydra overrides, values parsed (``1e-3`` equals ``0.001``);
     Hydra's own keys (``hydra.*``, ``hydra/...``) and ``exclude_keys`` left out."""
@@ -99,6 +105,7 @@ def check_run_overrides(
     recorded = recorded_overrides(run_dir)
     if recorded is None:
         return
+    exclude_keys = {*exclude_keys, *MAY_CHANGE_ON_RESUME}
     there = _parsed_overrides(recorded, exclude_keys)
     now = _parsed_overrides(overrides, exclude_keys)
     differences = [
