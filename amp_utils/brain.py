@@ -563,22 +563,34 @@ class Brain:
             weight_casts.settle_gradients()
         return outputs, loss
 
+    def weight_casts_off_reason(self) -> str | None:
+        """Why training does not cast the weights together although ``fused_weight_casts``
+        asks for it with a 16-bit precision; None when it does, or when it is not asked
+        for (the option off, or fp32)."""
+        if self.run_opts.compile:
+            return "torch.compile fuses autocast's casts itself (trainer.compile)"
+        if self.distributed.world_size > 1:
+            return (
+                "under DDP the gradients would reach the all-reduce only at the end of the "
+                "backward pass, not overlapped with it"
+            )
+        return None
+
+    def fuses_weight_casts(self) -> bool:
+        """Whether training casts the weights together (``fused_weight_casts`` with a 16-bit
+        precision, and nothing turns it off: ``weight_casts_off_reason``)."""
+        wanted = self.run_opts.fused_weight_casts and self.amp.dtype != torch.float32
+        return bool(wanted) and self.weight_casts_off_reason() is None
+
     def _set_up_weight_casts(self) -> None:
         """With ``fused_weight_casts`` and a 16-bit precision, cast the weights together."""
         wanted = self.run_opts.fused_weight_casts and self.amp.dtype != torch.float32
         if not wanted or self._weight_casts is not None:
             return
-        if self.run_opts.compile:
-            reason = "torch.compile fuses autocast's casts itself (trainer.compile)"
-        elif self.distributed.world_size > 1:
-            reason = (
-                "under DDP the gradients would reach the all-reduce only at the end of the "
-                "backward pass, not overlapped with it"
-            )
-        else:
+        if self.fuses_weight_casts():
             self._weight_casts = WeightCasts(self.modules, self.amp.dtype)
             return
-        logger.info("precision.fused_weight_casts: off, %s.", reason)
+        logger.info("precision.fused_weight_casts: off, %s.", self.weight_casts_off_reason())
 
     def _eval_weight_casts(self) -> WeightCasts | None:
         """``fused_weight_casts`` for validation and test forward passes (16-bit

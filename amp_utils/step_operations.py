@@ -263,10 +263,10 @@ def training_step_operations(
         batch: one training batch.
         fused_weight_casts: whether the steps described cast the qualifying weights
             together, for the report's "on/off in this run"; None: whether training with
-            ``brain``'s options would (``fused_weight_casts_in_training``).
+            ``brain``'s options would (``Brain.fuses_weight_casts``).
     """
     if fused_weight_casts is None:
-        fused_weight_casts = fused_weight_casts_in_training(brain)
+        fused_weight_casts = brain.fuses_weight_casts()
     brain.modules.train()
     return step_operations(
         brain.modules,
@@ -275,16 +275,4 @@ def training_step_operations(
         brain.amp.name,
         brain.amp.dtype,
         fused_weight_casts,
-    )
-
-
-def fused_weight_casts_in_training(brain: Any) -> bool:
-    """Whether training with ``brain``'s options casts the weights together: the option is
-    on, the precision is 16-bit, and neither ``trainer.compile`` (torch.compile fuses the
-    casts itself) nor DDP turns it off, as ``Brain`` decides when a fit starts."""
-    return bool(
-        brain.run_opts.fused_weight_casts
-        and brain.amp.dtype not in (None, torch.float32)
-        and not brain.run_opts.compile
-        and brain.distributed.world_size <= 1
     )
