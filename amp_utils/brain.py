@@ -68,6 +68,7 @@ from amp_utils.loaders import (
     make_loader,
     replays_its_order,
     seeded_generator,
+    shut_down_workers,
     start_epoch,
     timed_batches,
 )
@@ -819,10 +820,27 @@ class Brain:
         Datasets that are not DataLoaders go through ``make_dataloader``. With a
         checkpointer the run resumes from its latest checkpoint, mid-epoch too.
         """
+        made: list[DataLoader] = []  # loaders made here: their workers end with fit
         if not isinstance(train_set, DataLoader):
             train_set = self.make_dataloader(train_set, Stage.TRAIN, **(train_loader_kwargs or {}))
+            made.append(train_set)
         if valid_set is not None and not isinstance(valid_set, DataLoader):
             valid_set = self.make_dataloader(valid_set, Stage.VALID, **(valid_loader_kwargs or {}))
+            made.append(valid_set)
+        try:
+            self._fit(epoch_counter, train_set, valid_set, progressbar)
+        finally:
+            for loader in made:
+                shut_down_workers(loader)
+
+    def _fit(
+        self,
+        epoch_counter: Iterable[int],
+        train_set: DataLoader,
+        valid_set: DataLoader | None,
+        progressbar: bool | None,
+    ) -> None:
+        """``fit``'s epochs on its loaders."""
         for loader in (train_set, valid_set):
             if loader is not None and loader.generator is None:
                 # Keep iterator start-up off the global RNG, so resumes replay exactly.
@@ -1089,12 +1107,17 @@ class Brain:
         test_loader_kwargs: Mapping[str, Any] | None = None,
     ) -> float:
         """Evaluate on ``test_set`` with the best checkpoint; returns the average test loss."""
-        if not isinstance(test_set, DataLoader):
+        made = not isinstance(test_set, DataLoader)
+        if made:
             test_set = self.make_dataloader(test_set, Stage.TEST, **(test_loader_kwargs or {}))
         self.on_evaluate_start(max_key=max_key, min_key=min_key)
         enable = self._progressbar(progressbar)
-        with self.stall_watchdog:
-            avg_test_loss = self._run_eval_loop(test_set, Stage.TEST, None, enable)
+        try:
+            with self.stall_watchdog:
+                avg_test_loss = self._run_eval_loop(test_set, Stage.TEST, None, enable)
+        finally:
+            if made:  # a loader made here: its workers end with the evaluation
+                shut_down_workers(test_set)
         self.on_stage_end(Stage.TEST, avg_test_loss, None)
         self.step = 0
         return avg_test_loss

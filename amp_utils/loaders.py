@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from amp_utils.distributed import DistributedInfo
 
@@ -145,6 +146,24 @@ def make_loader(
         del loader_kwargs["shuffle"]
         loader_kwargs["sampler"] = ReproducibleRandomSampler(dataset, seed=seed)
     return DataLoader(dataset, **loader_kwargs)
+
+
+def shut_down_workers(loader: DataLoader) -> None:
+    """Stop ``loader``'s persistent worker processes now; its next epoch starts new ones.
+
+    A loader with ``persistent_workers`` keeps its workers until the loader is freed. A
+    finished run's loaders are often freed by the garbage collector (a
+    closure or a Brain holding them makes a reference cycle), which closes the workers'
+    queues before the iterator's own shutdown runs: each worker then waits out its 5 s
+    join timeout, 60 s for a run's 3 loaders of 4 workers, at whatever point of the next
+    sweep job or of the interpreter's exit the collection happens (an H200 sweep stalled
+    there). Lightning stops them the same way (``_shutdown_workers_and_reset_iterator``).
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if isinstance(iterator, _MultiProcessingDataLoaderIter):
+        iterator._shutdown_workers()
+    if hasattr(loader, "_iterator"):
+        loader._iterator = None
 
 
 def replays_its_order(loader: DataLoader) -> bool:

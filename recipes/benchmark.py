@@ -26,7 +26,7 @@ from recipes.benchmarking import (
     summarize,
 )
 from recipes.config import exit_on_unknown_override_keys, register_resolvers, validate_config
-from recipes.data_setup import build_data
+from recipes.data_setup import DataBundle, build_data
 from recipes.experiment import build_brain, device_name, seed_everything
 from recipes.modules import build_modules
 from recipes.preflight import USER_ERRORS, run_options
@@ -43,8 +43,11 @@ def benchmark(cfg: DictConfig) -> list[dict]:
     validate_config(cfg)
     check_benchmark_config(cfg)
     device = resolve_device(run_options(cfg).device)
-    data = build_data(cfg, device)
+    with build_data(cfg, device) as data:  # its loader workers end with the benchmark
+        return _benchmark(cfg, device, data)
 
+
+def _benchmark(cfg: DictConfig, device: torch.device, data: DataBundle) -> list[dict]:
     def build(run_cfg: DictConfig):
         seed_everything(cfg.seed)
         return build_brain(run_cfg, data, None, None), data.train

@@ -23,8 +23,11 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
 
 from amp_utils.atomic import atomic_write_json, atomic_write_text
+from amp_utils.brain import Brain
+from amp_utils.loaders import shut_down_workers
 from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
 from amp_utils.numerics import probe_training_batches
 from amp_utils.numerics_report import (
@@ -82,6 +85,13 @@ def build_recipe(cfg: DictConfig):
 def diagnose(cfg: DictConfig) -> NumericsReport:
     """Measure the configured recipe for ``diagnose.batches`` batches; write the report."""
     brain, train_batches = build_recipe(cfg)
+    try:
+        return _diagnose(cfg, brain, train_batches)
+    finally:
+        shut_down_workers(train_batches)  # the loader's workers end with the diagnosis
+
+
+def _diagnose(cfg: DictConfig, brain: Brain, train_batches: DataLoader) -> NumericsReport:
     if brain.run_opts.compile:
         logger.warning(
             "trainer.compile=true: the diagnosis runs the model eagerly (uncompiled): its "

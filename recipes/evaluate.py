@@ -88,9 +88,9 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     preflight(cfg)  # the checks train.py runs: values, decoder back end, device, precision
     cfg.trainer.noprogressbar = True
     device = resolve_device(run_options(cfg).device)
-    data = build_data(cfg, device)
-    brain = build_brain(cfg, data, run_dir, tensorboard=None)
-    metrics = brain.evaluate_best(getattr(data, split))
+    with build_data(cfg, device) as data:  # each run's loader workers end with its evaluation
+        brain = build_brain(cfg, data, run_dir, tensorboard=None)
+        metrics = brain.evaluate_best(getattr(data, split))
     return {
         "run": str(run_dir),
         "split": split,

@@ -93,3 +93,73 @@ def test_loader_workers_are_killed_with_the_training_process_and_run_the_callers
     assert [tuple(item) for item in loader] == [(signal.SIGKILL, 100, True)] * 2
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # only the workers
     assert _SEEN_BY_INIT == []  # it ran in the worker, not here
+
+
+def _worker_processes() -> list:
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+def test_shut_down_workers_ends_a_persistent_loaders_workers_and_keeps_it_usable():
+    """A persistent loader's workers outlive a partial epoch; shut_down_workers ends them
+    now (left to the garbage collector, each waited 5 s), and the next epoch starts anew."""
+    from amp_utils.loaders import shut_down_workers
+
+    loader = DataLoader(numbered(8), batch_size=2, num_workers=2, persistent_workers=True)
+    before = set(_worker_processes())
+    batches = iter(loader)  # still held, as a paused epoch's iterator may be
+    assert next(batches)[0].tolist() == [0, 1]  # a partial epoch: workers stay
+    assert len(set(_worker_processes()) - before) == 2
+    shut_down_workers(loader)
+    assert set(_worker_processes()) - before == set()
+    assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    shut_down_workers(loader)
+    shut_down_workers(DataLoader(numbered(4)))  # no workers: nothing to do
+    assert set(_worker_processes()) - before == set()
+
+
+def test_brain_fit_and_evaluate_end_the_workers_of_the_loaders_they_made():
+    """Brain makes loaders from datasets (SpeechBrain's API); their persistent workers end
+    with fit/evaluate, not at a later garbage collection (a sweep's next job stalled 60 s)."""
+    import gc
+
+    from amp_utils.brain import Brain
+
+    class Regression(Brain):
+        made: list = []  # a subclass that keeps the loaders it is given
+
+        def make_dataloader(self, *args, **kwargs):
+            loader = super().make_dataloader(*args, **kwargs)
+            self.made.append(loader)
+            return loader
+
+        def compute_forward(self, batch, stage):
+            return self.modules.model(batch[0].float().unsqueeze(1))
+
+        def compute_objectives(self, predictions, batch, stage):
+            return predictions.pow(2).mean()
+
+    model = torch.nn.Linear(1, 1)
+    brain = Regression(
+        modules={"model": model},
+        opt_class=lambda params: torch.optim.SGD(params, lr=0.01),
+        run_opts={"device": "cpu", "noprogressbar": True},
+    )
+    kwargs = {"batch_size": 4, "num_workers": 2, "persistent_workers": True}
+    before = set(_worker_processes())
+    gc.disable()  # no collection in between (the sweep stalled when one came later)
+    try:
+        brain.fit(
+            range(1, 3),
+            numbered(16),
+            numbered(8),
+            train_loader_kwargs=kwargs,
+            valid_loader_kwargs=kwargs,
+        )
+        assert set(_worker_processes()) - before == set()
+        brain.evaluate(numbered(8), test_loader_kwargs=kwargs)
+        assert set(_worker_processes()) - before == set()
+        assert len(Regression.made) == 3  # still held, and usable
+    finally:
+        gc.enable()

@@ -247,6 +247,24 @@ def test_fp16_on_cpu_applies_updates_and_logs_loss_scale(
     assert changed, "fp16 training left every weight of the model unchanged"
 
 
+def test_a_finished_run_leaves_no_loader_workers_behind(tmp_path, fsdd_root, prepared_digits):
+    """A run's persistent loader workers end with it. Held in a reference cycle, they lived
+    until a garbage collection, which closed their queues first: each then waited out a 5 s
+    timeout, a 60 s stall inside the next sweep job or at the interpreter's exit (H200)."""
+    import gc
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "device.num_workers=2")
+    gc.disable()  # no collection in between, as when the next job's came later
+    try:
+        train(cfg)
+        left = set(multiprocessing.active_children()) - before
+    finally:
+        gc.enable()
+    assert left == set(), f"{len(left)} loader worker processes outlived the run"
+
+
 def test_speaker_id_run_reports_accuracy(tmp_path, fsdd_root, prepared_digits):
     cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "model=xvector", "precision=bf16")
     results = train(cfg)
