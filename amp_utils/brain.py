@@ -101,7 +101,17 @@ logger = logging.getLogger(__name__)
 
 #: Training totals of a run (all sessions): seconds training, utterances and seconds of
 #: audio trained on, and seconds the loop waited for the loader's next batch.
-TRAIN_STATS: dict[str, float] = {"time_s": 0.0, "utterances": 0, "audio_s": 0.0, "data_wait_s": 0.0}
+TRAIN_STATS: dict[str, float] = {
+    "time_s": 0.0,
+    "utterances": 0,
+    "audio_s": 0.0,
+    "data_wait_s": 0.0,
+    # each session's first trained epoch (start-up, compilation, graph captures), also
+    # counted above: run_results.Throughput rates the run without it
+    "warmup_time_s": 0.0,
+    "warmup_utterances": 0,
+    "warmup_audio_s": 0.0,
+}
 #: An epoch that waits for data this share of its time or more, and at least
 #: ``DATA_WAIT_MIN_S`` seconds (not a debug run's blink), gets a warning (once a run).
 DATA_WAIT_WARNING = 0.2
@@ -225,6 +235,7 @@ class Brain:
         self.lr_scheduler: Any = None
         self.step = 0  # batches done in the current stage
         self.train_stats = dict(TRAIN_STATS)
+        self._session_warmed_up = False  # this process has trained an epoch (see TRAIN_STATS)
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._resume_grads: dict[str, Any] | None = None  # its unfinished window's gradients
         self._epoch_plan: str | None = None  # the training epoch's batch plan (its digest)
@@ -919,6 +930,7 @@ class Brain:
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
         wait_before = self.train_stats["data_wait_s"]
+        trained_before = (self.train_stats["utterances"], self.train_stats["audio_s"])
 
         def waited(seconds: float) -> None:
             self.train_stats["data_wait_s"] += seconds
@@ -957,6 +969,12 @@ class Brain:
             self.train_stats["time_s"] += epoch_time
             epoch_wait = self.train_stats["data_wait_s"] - wait_before
             self._report_data_wait(epoch, epoch_wait, epoch_time, train_set)
+            if not self._session_warmed_up:
+                self._session_warmed_up = True
+                stats = self.train_stats
+                stats["warmup_time_s"] += epoch_time
+                stats["warmup_utterances"] += stats["utterances"] - trained_before[0]
+                stats["warmup_audio_s"] += stats["audio_s"] - trained_before[1]
         self._trained_batches = self.step  # a signal in validation resumes past them
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
@@ -1329,6 +1347,9 @@ class Brain:
             "utterances": sum(s["utterances"] for s in saved) if mine else 0,
             "audio_s": sum(float(s["audio_s"]) for s in saved) if mine else 0.0,
             "data_wait_s": max(float(s["data_wait_s"]) for s in saved),
+            "warmup_time_s": max(float(s["warmup_time_s"]) for s in saved),
+            "warmup_utterances": sum(s["warmup_utterances"] for s in saved) if mine else 0,
+            "warmup_audio_s": sum(float(s["warmup_audio_s"]) for s in saved) if mine else 0.0,
         }
 
     def global_train_stats(self) -> dict[str, float]:
@@ -1338,12 +1359,13 @@ class Brain:
         """
         if self.distributed.world_size == 1:
             return dict(self.train_stats)
-        totals = all_reduce_counts(
-            {"utterances": self.train_stats["utterances"], "audio_s": self.train_stats["audio_s"]}
+        counts = ("utterances", "audio_s", "warmup_utterances", "warmup_audio_s")
+        totals = all_reduce_counts({key: self.train_stats[key] for key in counts})
+        times = ("time_s", "data_wait_s", "warmup_time_s")
+        slowest = all_reduce_max(
+            torch.tensor([self.train_stats[key] for key in times], dtype=torch.float64)
         )
-        times = [self.train_stats["time_s"], self.train_stats["data_wait_s"]]
-        slowest = all_reduce_max(torch.tensor(times, dtype=torch.float64))
-        return {**totals, "time_s": float(slowest[0]), "data_wait_s": float(slowest[1])}
+        return {**totals, **{key: float(value) for key, value in zip(times, slowest, strict=True)}}
 
     def peak_memory_mb(self) -> float:
         """Peak memory of the run so far (GPU allocations on CUDA, process RSS on CPU)."""

@@ -36,13 +36,40 @@ def metric_tag(name: str, stage: str = "test") -> str:
 
 @dataclass
 class Throughput:
-    """Training speed over the whole run (all sessions), validation excluded."""
+    """Training speed of the run (all sessions), validation excluded.
+
+    The rates leave out each session's first epoch (``warmup_time_s``): the process's CUDA
+    start-up, compilation and graph captures land there, and in a sweep run in one process
+    only the first job pays the start-up (on an H200 it made bf16 look 2.14x fp32, 1.19x
+    from the second epoch on). A run that trained no epoch past a session's first (a
+    one-epoch or debug run) is rated over all of them (``warmup_time_s`` is then 0).
+    """
 
     train_utterances_per_s: float | None = None
     train_audio_seconds_per_s: float | None = None
-    train_time_s: float | None = None
+    train_time_s: float | None = None  # all training time, warm-up included
     # share of the training time spent waiting for the data loader's next batch
     data_wait_share: float | None = None
+    warmup_time_s: float | None = None  # the sessions' first epochs, left out of the rates
+
+    @classmethod
+    def from_train_stats(cls, stats: dict[str, float]) -> Throughput:
+        """The rates of ``Brain.global_train_stats()`` (their ``warmup_*`` apart)."""
+        total_s = max(float(stats["time_s"]), 1e-9)
+        warmup_s = float(stats.get("warmup_time_s", 0.0))
+        steady_s = total_s - warmup_s
+        utterances = stats["utterances"] - stats.get("warmup_utterances", 0)
+        audio_s = stats["audio_s"] - stats.get("warmup_audio_s", 0.0)
+        if steady_s <= 1e-9 or utterances <= 0:  # only first epochs: rate them all
+            warmup_s, steady_s = 0.0, total_s
+            utterances, audio_s = stats["utterances"], stats["audio_s"]
+        return cls(
+            train_utterances_per_s=utterances / steady_s,
+            train_audio_seconds_per_s=audio_s / steady_s,
+            train_time_s=float(stats["time_s"]),
+            data_wait_share=stats["data_wait_s"] / total_s,
+            warmup_time_s=warmup_s,
+        )
 
 
 @dataclass

@@ -356,7 +356,6 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             valid_metrics = brain.score_loaded_weights(data.valid)
             valid_metrics_of = "averaged_checkpoints"
         stats = brain.global_train_stats()
-        train_time_s = max(stats["time_s"], 1e-9)
         results = RunResults(
             precision=brain.amp.name,  # as used (precision=auto resolved)
             eval_precision=brain.eval_amp.name,
@@ -375,12 +374,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             # The tested weights' validation metrics (not the last epoch's).
             valid_metrics=valid_metrics,
             valid_metrics_of=valid_metrics_of,
-            throughput=Throughput(
-                train_utterances_per_s=stats["utterances"] / train_time_s,
-                train_audio_seconds_per_s=stats["audio_s"] / train_time_s,
-                train_time_s=stats["time_s"],
-                data_wait_share=stats["data_wait_s"] / train_time_s,
-            ),
+            throughput=Throughput.from_train_stats(stats),
             peak_memory_mb=clock.peak_memory_mb(),
             peak_memory_kind="cuda_max_reserved" if brain.device.type == "cuda" else "process_rss",
             wall_time_s=clock.wall_time_s(),

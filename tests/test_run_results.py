@@ -59,6 +59,7 @@ def test_keys_and_round_trip(tmp_path: Path) -> None:
         "train_audio_seconds_per_s",
         "train_time_s",
         "data_wait_share",
+        "warmup_time_s",
     ]
     results.write(tmp_path / "results.json")
     assert RunResults.read(tmp_path / "results.json") == results
