@@ -72,7 +72,7 @@ from amp_utils.loaders import (
     start_epoch,
     timed_batches,
 )
-from amp_utils.memory import peak_memory_mb, reset_peak_memory
+from amp_utils.memory import peak_memory_mb, release_cached_memory, reset_peak_memory
 from amp_utils.precision import (
     AUTO,
     check_precision_supported,
@@ -236,6 +236,7 @@ class Brain:
         self.step = 0  # batches done in the current stage
         self.train_stats = dict(TRAIN_STATS)
         self._session_warmed_up = False  # this process has trained an epoch (see TRAIN_STATS)
+        self._epoch_trained_before = (0, 0.0)  # utterances and audio when the epoch started
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._resume_grads: dict[str, Any] | None = None  # its unfinished window's gradients
         self._epoch_plan: str | None = None  # the training epoch's batch plan (its digest)
@@ -874,6 +875,8 @@ class Brain:
             self.checkpointer.add_recoverable("epoch_counter", epoch_counter)
         self.on_fit_start()
         enable = self._progressbar(progressbar)
+        # a new job's window: what an earlier job left (a sweep's, in one process) released
+        release_cached_memory(self.device)
         reset_peak_memory(self.device)
         # Debug mode runs debug_epochs epochs. An EpochCounter numbers them from the run's
         # start, so a resumed debug run ends where the uninterrupted one does (counting this
@@ -930,7 +933,7 @@ class Brain:
         if self.run_opts.debug and total is not None:
             total = min(total, self.run_opts.debug_batches)
         wait_before = self.train_stats["data_wait_s"]
-        trained_before = (self.train_stats["utterances"], self.train_stats["audio_s"])
+        self._epoch_trained_before = (self.train_stats["utterances"], self.train_stats["audio_s"])
 
         def waited(seconds: float) -> None:
             self.train_stats["data_wait_s"] += seconds
@@ -973,8 +976,9 @@ class Brain:
                 self._session_warmed_up = True
                 stats = self.train_stats
                 stats["warmup_time_s"] += epoch_time
-                stats["warmup_utterances"] += stats["utterances"] - trained_before[0]
-                stats["warmup_audio_s"] += stats["audio_s"] - trained_before[1]
+                before = self._epoch_trained_before
+                stats["warmup_utterances"] += stats["utterances"] - before[0]
+                stats["warmup_audio_s"] += stats["audio_s"] - before[1]
         self._trained_batches = self.step  # a signal in validation resumes past them
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
@@ -1182,8 +1186,14 @@ class Brain:
         train_stats = dict(self.train_stats)
         if self._resume_step > 0 and self._stage == Stage.TRAIN:
             # mid-epoch: the epoch's training time so far counts too (in validation the
-            # trained epoch's time is already in train_stats)
-            train_stats["time_s"] += time.perf_counter() - self._epoch_start
+            # trained epoch's time is already in train_stats) ...
+            partial_s = time.perf_counter() - self._epoch_start
+            train_stats["time_s"] += partial_s
+            if not self._session_warmed_up:  # ... and in a session's first, as its warm-up
+                before = self._epoch_trained_before
+                train_stats["warmup_time_s"] += partial_s
+                train_stats["warmup_utterances"] += train_stats["utterances"] - before[0]
+                train_stats["warmup_audio_s"] += train_stats["audio_s"] - before[1]
         state = {
             "step": self._resume_step,
             "world_size": self.distributed.world_size,

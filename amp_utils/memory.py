@@ -32,18 +32,18 @@ def reset_peak_memory(device: torch.device) -> None:
 
     On CUDA this resets the allocator's peak; on Linux CPUs it resets the process's peak
     RSS (``VmHWM``), so that the runs of a sweep in one process are measured separately.
-    Either way the window starts from what this process still needs: garbage is collected
-    first, and the allocator's cache handed back (:func:`release_cached_memory`). A reset
-    peak starts at the memory held then, and a sweep's earlier job (its model, optimizer
-    and CUDA graph pools, freed only by the collector) made the next job's peak its own: on
-    an H200 bf16 recorded 1,280 MB reserved after fp32's 990 MB, where the step benchmark,
-    which releases first, gave bf16 950 MB against fp32's 1,096 MB.
+    A reset peak starts at the memory held then: a new job calls
+    :func:`release_cached_memory` first (a sweep's earlier job, its model, optimizer and
+    CUDA graph pools freed only by the collector, and the allocator's cache made the next
+    job's peak its own: on an H200 bf16 recorded 1,280 MB reserved after fp32's 990 MB),
+    a benchmark before its warm-up (not after it: the timed steps reuse the warm-up's
+    cached blocks).
     """
-    release_cached_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
     # Not Linux, or not allowed: the peak then covers the whole process.
+    gc.collect()
     _trim_heap()
     with contextlib.suppress(OSError):
         _CLEAR_REFS.write_text("5")

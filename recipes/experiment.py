@@ -410,8 +410,10 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
         tensorboard.log_hparams(hparams, list(metrics))
     finally:
-        data.close()  # this job's loader workers end with it, not at a later collection
-        if tensorboard is not None:
-            tensorboard.close()
+        try:
+            data.close()  # this job's loader workers end with it, not at a later collection
+        finally:
+            if tensorboard is not None:
+                tensorboard.close()
     logger.info("results: %s", out_dir / RESULTS_FILE)
     return results.to_dict()

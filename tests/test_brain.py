@@ -1293,3 +1293,53 @@ def test_a_dropped_window_leaves_no_gradient_for_the_next_epoch_to_apply():
     brain.fit(range(1, 3), data, train_loader_kwargs={"batch_size": None})
     assert [epoch for epoch, _ in snapshots] == [1, 1, 2, 2]
     assert torch.equal(snapshots[2][1], snapshots[1][1])  # b unused in epoch 2: unmoved
+
+
+def test_a_session_interrupted_in_its_first_epoch_keeps_its_start_up_apart(tmp_path):
+    """A mid-epoch checkpoint in a session's first epoch saves that partial epoch as warm-up:
+    the resumed session's own first epoch is its warm-up, and the interrupted session's
+    start-up (CUDA, compilation, captures) must not land in the steady rate (preemptible
+    jobs resume the most)."""
+    import time
+
+    from amp_utils.run_results import Throughput
+
+    def run(epochs: int, stop_at=None):
+        class StartingUp(ShuffledRegression):
+            started = False  # per session (a new class per process, as after a restart)
+
+            def compute_forward(self, batch, stage):
+                if stage == Stage.TRAIN and not StartingUp.started:
+                    StartingUp.started = True
+                    time.sleep(0.3)
+                return super().compute_forward(batch, stage)
+
+            def on_fit_batch_start(self, batch, should_step):
+                if stop_at is not None and (self._epoch_counter.current, self.step) == stop_at:
+                    raise StopAfter
+
+        brain = StartingUp(
+            {"model": make_model()},
+            sgd(0.01),
+            run_opts=run_opts(ckpt_interval_steps=1),
+            checkpointer=Checkpointer(tmp_path / f"ckpt{epochs}"),
+        )
+        loader = DataLoader(make_data(48), batch_size=4)  # 12 batches of 4 per epoch
+        brain.fit(EpochCounter(epochs), loader)
+        return brain.global_train_stats()
+
+    for epochs in (3, 1):
+        with pytest.raises(StopAfter):
+            run(epochs, stop_at=(1, 6))  # dies before batch 6: 5 batches trained, saved
+        stats = run(epochs)
+        assert stats["utterances"] == 48 * epochs
+        # session 1's 5 batches and session 2's rest of epoch 1 (7 batches): both warm-ups
+        assert stats["warmup_utterances"] == 48
+        assert stats["warmup_time_s"] >= 0.6  # both sessions' start-up
+        rated = Throughput.from_train_stats(stats)
+        if epochs == 3:
+            steady_s = stats["time_s"] - stats["warmup_time_s"]  # neither start-up in it
+            assert rated.train_utterances_per_s == pytest.approx(96 / steady_s)
+        else:  # every epoch trained was a session's first: rated over all of them
+            assert rated.warmup_time_s == 0.0
+            assert rated.train_utterances_per_s == pytest.approx(48 / stats["time_s"])
