@@ -124,6 +124,13 @@ def _comparison_key(run: dict[str, Any]) -> tuple:
     )
 
 
+def _rated_without_warmup(results: RunResults) -> bool:
+    """Whether the run's speed leaves out its sessions' first epochs (results.json files
+    from before ``throughput.warmup_time_s`` rate all epochs): only speeds rated alike
+    make a speed-up (a re-launched sweep lists its finished older runs too)."""
+    return results.throughput.warmup_time_s is not None
+
+
 def _sort_key(run: dict[str, Any]) -> tuple:
     """Sort by overrides, keeping runs that differ only in precision together (fp32 first)."""
     precision = _precision_override(run["overrides"])
@@ -214,7 +221,8 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
         if results is not None and results.precision == "fp32":
             speed = results.throughput.train_utterances_per_s
             if isinstance(speed, (int, float)) and speed > 0:
-                fp32_speed.setdefault(_comparison_key(run), float(speed))
+                key = (_comparison_key(run), _rated_without_warmup(results))
+                fp32_speed.setdefault(key, float(speed))
 
     metric_columns = {name: metric_label(name) for name in metric_names}  # "test CER %"
     rows = []
@@ -241,7 +249,7 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
         speed = results.throughput.train_utterances_per_s
         row["utt/s"] = _format_number(speed)
         row["audio-s/s"] = _format_number(results.throughput.train_audio_seconds_per_s)
-        reference = fp32_speed.get(_comparison_key(run))
+        reference = fp32_speed.get((_comparison_key(run), _rated_without_warmup(results)))
         if reference is not None and isinstance(speed, (int, float)):
             row[SPEEDUP_COLUMN] = f"{speed / reference:.2f}x"
         row["peak memory MB"] = _format_number(results.peak_memory_mb)
@@ -391,7 +399,11 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
         ref_speed = {s: r.throughput.train_utterances_per_s for s, r in reference.items()}
         # seed by seed, as the metrics: only the seeds both precisions ran
         shared = [
-            s for s in speed if isinstance(ref_speed.get(s), (int, float)) and ref_speed[s] > 0
+            s
+            for s in speed
+            if isinstance(ref_speed.get(s), (int, float))
+            and ref_speed[s] > 0
+            and _rated_without_warmup(by_seed[s]) == _rated_without_warmup(reference[s])
         ]
         row["utt/s mean"] = _format_number(sum(speed.values()) / len(speed) if speed else None)
         row[SPEEDUP_COLUMN] = (

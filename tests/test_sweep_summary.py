@@ -122,6 +122,28 @@ def test_speedup_compares_only_runs_that_differ_in_precision(tmp_path: Path) -> 
     assert by_run["a"]["speed-up vs fp32"] == "1.00x"
 
 
+def test_speeds_rated_differently_make_no_speed_up(tmp_path: Path) -> None:
+    """A results.json from before throughput.warmup_time_s rates every epoch, a newer one
+    leaves out each session's first: a sweep re-launched into its folder lists its finished
+    older runs beside new ones, and their ratio would mix the two (on an H200 the first epoch
+    made 1.19x read 2.14x). Only speeds rated alike pair, in the table and over seeds."""
+    for seed in (1, 2):
+        for index, precision in enumerate(("fp32", "bf16")):
+            overrides = [f"precision={precision}", f"seed={seed}"]
+            results = _results(precision, overrides)
+            if precision == "bf16" or seed == 2:
+                results["throughput"]["warmup_time_s"] = 1.5  # a newer run
+            else:  # the old fp32 run: its start-up counted in, it reads slower
+                results["throughput"]["train_utterances_per_s"] = 50.0
+            _write_job(tmp_path, f"{seed}{index}", overrides, results)
+    by_run = {row["run"]: row for row in summarize_sweep(tmp_path)}
+    assert by_run["11"]["speed-up vs fp32"] == "—"  # seed 1: old fp32, new bf16
+    assert by_run["21"]["speed-up vs fp32"] == "1.50x"  # seed 2: both new
+    section = (tmp_path / "summary.md").read_text().split("## Over seeds", 1)[1]
+    bf16 = next(line for line in section.splitlines() if "| bf16 |" in line)
+    assert "| 150.00 | 1.50x |" in bf16  # seed 2 only
+
+
 def test_a_run_whose_model_collapsed_is_marked_in_the_table(tmp_path: Path) -> None:
     """The H200 sweep's three runs all wrote "five" for every digit; the table said "ok"."""
     collapsed = _results("bf16", ["precision=bf16"], CER=63.9, WER=90.1)
