@@ -255,6 +255,7 @@ class TrainerConfig:
     ckpt_interval_minutes: float = MISSING
     ckpt_interval_steps: int = MISSING
     stall_warning_minutes: float = MISSING
+    prefetch_next_epoch: bool = MISSING
     keep_checkpoints: int = MISSING
     average_checkpoints: int = field(
         default=1,
