@@ -45,8 +45,10 @@
 # (graph tests pass; bf16 trains; the small recipe's graphed bf16 1.37x fp32), measured the
 # peers (ours 5.0x/5.4x), cuDNN depthwise (1.18x on Conformer-M bf16: gpu_asr's default
 # since) and activation memory; it found the loader-shutdown stall and the first-epoch
-# throughput bias, both fixed since. Not measured yet, in this order: default_runs again (the
-# sweep's summary should now say ~1.2x and the part end rc 0: its rc 124 came after the
+# throughput bias, both fixed since, and the loaders now load the next epoch's first batches
+# during validation (trainer.prefetch_next_epoch). Not measured yet, in this order:
+# default_runs again (the summary should say >= 1.2x with a lower data_wait_share than
+# 0.038/0.083, bf16's peak below fp32's, and the part end rc 0: its rc 124 came after the
 # summary, with the process not exiting for 76 s, not reproduced on a CPU), the graph tests
 # the 160 s cut (GRAPH_TESTS_K="interrupted_run or ctc_on_device or fast_kernels"),
 # bench_m_graphs (fp32, TF32, bf16, fp16 with cuDNN's depthwise kernels: the 3.0x/1.6x/2.7x
