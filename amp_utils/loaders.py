@@ -36,6 +36,10 @@ class ReproducibleRandomSampler(RandomSampler):
     epoch to epoch, which a checkpoint does not hold: a resumed process would shuffle
     differently, and a mid-epoch resume would train some examples twice and others not at
     all. The loop calls ``set_epoch`` at every epoch start (:func:`start_epoch`).
+
+    As SpeechBrain's, it seeds with the sum: seed ``s + 1`` shuffles each epoch as seed ``s``
+    shuffled the next one, so runs that differ only in their seed share shifted orders.
+    The recipes' ``data.sampler.DurationBatchSampler`` seeds with both apart.
     """
 
     def __init__(self, data_source: Any, seed: int = 563375142, epoch: int = 0, **kwargs: Any):

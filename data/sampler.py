@@ -46,7 +46,7 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         durations: duration in seconds of every dataset item.
         max_batch_seconds: budget for ``len(batch) * longest item``.
         shuffle: shuffle within buckets and the batch order (False: sorted, fixed order).
-        seed: base seed; the epoch is added to it.
+        seed: base seed; each epoch's shuffle is seeded with ``"{seed}-{epoch}"``.
         num_buckets: number of duration buckets.
         drop_last: drop each bucket's last batch when it is incomplete (it would still
             have room for one more item as long as its longest one), unless it is the
@@ -191,7 +191,9 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         """Batches of the current epoch for all ranks together (cached per epoch)."""
         if self._cache is not None and self._cache[0] == self.epoch:
             return self._cache[1]
-        rng = random.Random(self.seed + self.epoch)
+        # seeded with both, not their sum: seed + epoch gave seed 2's epoch 1 the order of
+        # seed 1's epoch 2, so the runs of a sweep over seeds shared their data orders
+        rng = random.Random(f"{self.seed}-{self.epoch}")
         batches: list[list[int]] = []
         for bucket in self._buckets():
             if self.shuffle:
