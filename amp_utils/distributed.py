@@ -81,6 +81,13 @@ def launched_distributed() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launch_rank() -> int:
+    """This process's rank as its launcher set it (``RANK``; 0 when not launched
+    distributed), before any process group exists: who records and summarises a sweep."""
+    launched_distributed()  # a multi-task submitit job's tasks learn their RANK here
+    return int(os.environ.get("RANK", "0"))
+
+
 def resolve_backend(backend: str, device_type: str) -> str:
     """``auto`` -> nccl on CUDA, gloo on CPU; checks the choice fits the device."""
     if backend not in BACKENDS:

@@ -27,6 +27,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_write_text
+from amp_utils.distributed import launch_rank
 from amp_utils.run_results import RESULTS_FILE, RunResults, metric_label
 from amp_utils.sweep_keys import precision_first, swept_keys
 from amp_utils.tensorboard import TENSORBOARD_DIR, write_sweep_experiment
@@ -476,11 +477,6 @@ def write_hparams_experiment(sweep_dir: Path, runs: list[dict[str, Any]]) -> lis
         return []
 
 
-def _is_rank_zero() -> bool:
-    """Whether this process is rank 0 of a torchrun launch (or not launched by torchrun)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 class SweepSummaryCallback(Callback):
     """Hydra callback that summarizes the sweep when a multirun ends.
 
@@ -502,7 +498,7 @@ class SweepSummaryCallback(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         self.multirun = uuid.uuid4().hex
         os.environ[MULTIRUN_ID_ENV] = self.multirun
-        if not _is_rank_zero():  # under torchrun every rank runs the sweep: rank 0 records it
+        if launch_rank() != 0:  # under torchrun every rank runs the sweep: rank 0 records it
             return
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -520,7 +516,7 @@ class SweepSummaryCallback(Callback):
                 into a warning, and the sweep would end as if all were well).
         """
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not _is_rank_zero():  # its jobs recorded nothing: rank 0 summarises the sweep
+        if launch_rank() != 0:  # its jobs recorded nothing: rank 0 summarises the sweep
             return
         if not sweep_dir.is_dir():
             log.warning("Sweep directory %s does not exist; no summary written", sweep_dir)

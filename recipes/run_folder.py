@@ -36,7 +36,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
-from amp_utils.distributed import launched_distributed
+from amp_utils.distributed import launch_rank
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_ENV, MULTIRUN_ID_FILE
 from recipes.config import ConfigError
@@ -467,8 +467,7 @@ class JobStatus:
 
         if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
             return cls(None, None)
-        launched_distributed()  # a multi-task submitit job's tasks learn their RANK here
-        if int(os.environ.get("RANK", "0")) != 0:
+        if launch_rank() != 0:
             return cls(None, None)
         hydra_cfg = HydraConfig.get()
         multirun = os.environ.get(MULTIRUN_ID_ENV)  # this process's multirun (or its parent's)
