@@ -113,6 +113,9 @@ TRAIN_STATS: dict[str, float] = {
     "warmup_utterances": 0,
     "warmup_audio_s": 0.0,
 }
+#: Over DDP ranks the counts add up and the times are the slowest rank's.
+SUMMED_TRAIN_STATS = ("utterances", "audio_s", "warmup_utterances", "warmup_audio_s")
+SLOWEST_TRAIN_STATS = ("time_s", "data_wait_s", "warmup_time_s")
 #: An epoch that waits for data this share of its time or more, and at least
 #: ``DATA_WAIT_MIN_S`` seconds (not a debug run's blink), gets a warning (once a run).
 DATA_WAIT_WARNING = 0.2
@@ -592,21 +595,24 @@ class Brain:
             )
         return None
 
+    def _asks_for_weight_casts(self) -> bool:
+        """``fused_weight_casts`` with a 16-bit precision."""
+        return bool(self.run_opts.fused_weight_casts and self.amp.dtype != torch.float32)
+
     def fuses_weight_casts(self) -> bool:
         """Whether training casts the weights together (``fused_weight_casts`` with a 16-bit
         precision, and nothing turns it off: ``weight_casts_off_reason``)."""
-        wanted = self.run_opts.fused_weight_casts and self.amp.dtype != torch.float32
-        return bool(wanted) and self.weight_casts_off_reason() is None
+        return self._asks_for_weight_casts() and self.weight_casts_off_reason() is None
 
     def _set_up_weight_casts(self) -> None:
         """With ``fused_weight_casts`` and a 16-bit precision, cast the weights together."""
-        wanted = self.run_opts.fused_weight_casts and self.amp.dtype != torch.float32
-        if not wanted or self._weight_casts is not None:
+        if not self._asks_for_weight_casts() or self._weight_casts is not None:
             return
-        if self.fuses_weight_casts():
+        reason = self.weight_casts_off_reason()
+        if reason is None:
             self._weight_casts = WeightCasts(self.modules, self.amp.dtype)
             return
-        logger.info("precision.fused_weight_casts: off, %s.", self.weight_casts_off_reason())
+        logger.info("precision.fused_weight_casts: off, %s.", reason)
 
     def _eval_weight_casts(self) -> WeightCasts | None:
         """``fused_weight_casts`` for validation and test forward passes (16-bit
@@ -893,22 +899,23 @@ class Brain:
                 if self.run_opts.debug and debug_epoch > self.run_opts.debug_epochs:
                     epoch_counter.current = epoch - 1  # type: ignore[union-attr] (did not run)
                     break
+                last_debug_epoch = self.run_opts.debug and debug_epoch >= self.run_opts.debug_epochs
                 self._fit_train(train_set, epoch, enable)
-                if self._trains_after(epoch_counter, epoch, debug_epoch):
+                if not last_debug_epoch and self._trains_after(epoch_counter, epoch):
                     self._start_next_epoch(train_set, epoch + 1)
                 self._fit_valid(valid_set, epoch, enable)
-                if self.run_opts.debug and debug_epoch >= self.run_opts.debug_epochs:
+                if last_debug_epoch:
                     break
 
-    def _trains_after(self, epoch_counter: Iterable[int], epoch: int, debug_epoch: int) -> bool:
+    def _trains_after(self, epoch_counter: Iterable[int], epoch: int) -> bool:
         """Whether ``fit`` trains epoch ``epoch + 1`` next, as far as it can tell now (an
-        :class:`EpochCounter` below its limit, no stop signal, not a debug run's last)."""
+        :class:`EpochCounter` below its limit, no stop signal; ``fit`` knows a debug run's
+        last epoch)."""
         return (
             self.run_opts.prefetch_next_epoch
             and isinstance(epoch_counter, EpochCounter)
             and epoch < epoch_counter.limit
             and self.stop_signals.received is None
-            and not (self.run_opts.debug and debug_epoch >= self.run_opts.debug_epochs)
         )
 
     def _start_next_epoch(self, train_set: DataLoader, epoch: int) -> None:
@@ -917,7 +924,7 @@ class Brain:
         Its loader workers load the first batches while validation runs, instead of after
         it: on an H200 each epoch's first batch waited ~17-20 ms (workers resumed, a batch
         read and collated), 12 % of the default recipe's 20 graphed steps. The order is the
-        one ``start_epoch`` draws at the epoch's start (the sampler's ``seed + epoch``, the
+        one ``start_epoch`` draws at the epoch's start (the sampler's seed and epoch, the
         loader's own generator), so training is the same; only the batches' loading moves.
         A hook that changes the sampler in ``on_stage_start(TRAIN)`` would come too late
         for it: ``trainer.prefetch_next_epoch=false`` starts each epoch there instead.
@@ -1008,15 +1015,18 @@ class Brain:
             self._report_data_wait(epoch, epoch_wait, epoch_time, train_set)
             if not self._session_warmed_up:
                 self._session_warmed_up = True
-                stats = self.train_stats
-                stats["warmup_time_s"] += epoch_time
-                before = self._epoch_trained_before
-                stats["warmup_utterances"] += stats["utterances"] - before[0]
-                stats["warmup_audio_s"] += stats["audio_s"] - before[1]
+                self._count_epoch_as_warmup(self.train_stats, epoch_time)
         self._trained_batches = self.step  # a signal in validation resumes past them
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
+
+    def _count_epoch_as_warmup(self, stats: dict[str, float], seconds: float) -> None:
+        """Add the current epoch, trained for ``seconds`` so far, to ``stats``' warm-up."""
+        utterances, audio_s = self._epoch_trained_before
+        stats["warmup_time_s"] += seconds
+        stats["warmup_utterances"] += stats["utterances"] - utterances
+        stats["warmup_audio_s"] += stats["audio_s"] - audio_s
 
     def _check_resumed_plan(self, skip: int) -> None:
         """Warn when an epoch resumed in its middle has another batch plan than the one
@@ -1224,10 +1234,7 @@ class Brain:
             partial_s = time.perf_counter() - self._epoch_start
             train_stats["time_s"] += partial_s
             if not self._session_warmed_up:  # ... and in a session's first, as its warm-up
-                before = self._epoch_trained_before
-                train_stats["warmup_time_s"] += partial_s
-                train_stats["warmup_utterances"] += train_stats["utterances"] - before[0]
-                train_stats["warmup_audio_s"] += train_stats["audio_s"] - before[1]
+                self._count_epoch_as_warmup(train_stats, partial_s)
         state = {
             "step": self._resume_step,
             "world_size": self.distributed.world_size,
@@ -1387,13 +1394,11 @@ class Brain:
             return dict(saved[self.distributed.rank])
         mine = self.distributed.rank == 0
         return {
-            "time_s": max(float(s["time_s"]) for s in saved),
-            "utterances": sum(s["utterances"] for s in saved) if mine else 0,
-            "audio_s": sum(float(s["audio_s"]) for s in saved) if mine else 0.0,
-            "data_wait_s": max(float(s["data_wait_s"]) for s in saved),
-            "warmup_time_s": max(float(s["warmup_time_s"]) for s in saved),
-            "warmup_utterances": sum(s["warmup_utterances"] for s in saved) if mine else 0,
-            "warmup_audio_s": sum(float(s["warmup_audio_s"]) for s in saved) if mine else 0.0,
+            **{key: max(float(s[key]) for s in saved) for key in SLOWEST_TRAIN_STATS},
+            **{
+                key: sum(s[key] for s in saved) if mine else TRAIN_STATS[key]
+                for key in SUMMED_TRAIN_STATS
+            },
         }
 
     def global_train_stats(self) -> dict[str, float]:
@@ -1403,13 +1408,13 @@ class Brain:
         """
         if self.distributed.world_size == 1:
             return dict(self.train_stats)
-        counts = ("utterances", "audio_s", "warmup_utterances", "warmup_audio_s")
-        totals = all_reduce_counts({key: self.train_stats[key] for key in counts})
-        times = ("time_s", "data_wait_s", "warmup_time_s")
-        slowest = all_reduce_max(
-            torch.tensor([self.train_stats[key] for key in times], dtype=torch.float64)
-        )
-        return {**totals, **{key: float(value) for key, value in zip(times, slowest, strict=True)}}
+        totals = all_reduce_counts({key: self.train_stats[key] for key in SUMMED_TRAIN_STATS})
+        times = [self.train_stats[key] for key in SLOWEST_TRAIN_STATS]
+        slowest = all_reduce_max(torch.tensor(times, dtype=torch.float64))
+        return {
+            **totals,
+            **{key: float(v) for key, v in zip(SLOWEST_TRAIN_STATS, slowest, strict=True)},
+        }
 
     def peak_memory_mb(self) -> float:
         """Peak memory of the run so far (GPU allocations on CUDA, process RSS on CPU)."""

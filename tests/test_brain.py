@@ -195,6 +195,14 @@ def test_an_epoch_waiting_for_its_loader_is_measured_and_warned_about(delay, war
         assert "device.num_workers, now 0" in caplog.text and wait / total > 0.5
 
 
+def test_every_train_stat_is_either_summed_or_the_slowest_ranks():
+    """Restoring under another world size and gathering over DDP ranks read the split; a
+    stat in neither list would be dropped from both."""
+    from amp_utils.brain import SLOWEST_TRAIN_STATS, SUMMED_TRAIN_STATS, TRAIN_STATS
+
+    assert sorted(SUMMED_TRAIN_STATS + SLOWEST_TRAIN_STATS) == sorted(TRAIN_STATS)
+
+
 def test_train_stats_of_a_checkpoint_from_before_the_data_wait_load_with_zero():
     brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
     state = brain.state_dict()
