@@ -10,7 +10,7 @@ a warning with the main thread's Python stack (the innermost frames name the mod
 op) and how to stop the run, then again every further ``minutes`` while the stall lasts.
 
 PyTorch releases the GIL inside its ops, so the thread runs while the main thread is stuck
-in one. The loop pays one ``time.monotonic()`` per batch.
+in one. The loop pays one ``time.monotonic()`` and one uncontended lock per batch.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class StallWatchdog:
         self.warnings = 0  # warnings logged during the current stall
         self._main = threading.main_thread()
         self._stop = threading.Event()
+        # beat() and the watchdog's check-and-warn run one at a time: without it a warning
+        # decided just before a beat was logged after "The stall is over", and left a
+        # stall count that made the next beat announce the end of a stall again.
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._depth = 0
 
@@ -59,10 +63,11 @@ class StallWatchdog:
 
     def beat(self) -> None:
         """A batch finished: the run makes progress."""
-        self.last_beat = time.monotonic()
-        if self.warnings:
-            self.warnings = 0
-            logger.warning("The stall is over: a batch finished.")
+        with self._lock:
+            self.last_beat = time.monotonic()
+            if self.warnings:
+                self.warnings = 0
+                logger.warning("The stall is over: a batch finished.")
 
     def __enter__(self) -> StallWatchdog:
         self._depth += 1
@@ -93,10 +98,11 @@ class StallWatchdog:
     def _watch(self) -> None:
         poll = min(max(self.seconds / 10.0, 0.01), 30.0)
         while not self._stop.wait(poll):
-            stalled = time.monotonic() - self.last_beat
-            if stalled >= self.seconds * (self.warnings + 1):
-                self.warnings += 1
-                logger.warning(self.message(stalled))
+            with self._lock:
+                stalled = time.monotonic() - self.last_beat
+                if stalled >= self.seconds * (self.warnings + 1):
+                    self.warnings += 1
+                    logger.warning(self.message(stalled))
 
     def message(self, stalled_s: float) -> str:
         """The warning: for how long, where the main thread is, and how to stop the run."""

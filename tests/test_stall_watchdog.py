@@ -45,6 +45,30 @@ def test_a_stall_is_logged_with_the_main_threads_stack_then_its_end(caplog):
     assert not _watchdog_threads()
 
 
+def test_a_batch_that_finishes_while_a_warning_is_written_ends_the_stall_after_it(caplog):
+    """The race CI met: the watchdog decided to warn, the batch finished while it wrote the
+    warning. The stall's end must be logged after the warning, and the stall count reset."""
+    writing = threading.Event()
+
+    def where() -> str:
+        if not writing.is_set():
+            writing.set()
+            time.sleep(0.2)  # the main thread's beat() lands while the warning is written
+        return "epoch 1, TRAIN batch 3 started"
+
+    with (
+        caplog.at_level(logging.WARNING, logger="amp_utils.stall_watchdog"),
+        StallWatchdog(3 * TENTH_OF_A_SECOND, where=where) as dog,
+    ):
+        assert writing.wait(10.0)
+        dog.beat()
+        assert dog.warnings == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("No batch has finished"), messages
+    assert messages[1] == "The stall is over: a batch finished."
+
+
 def test_regular_batches_never_warn(caplog):
     with (
         caplog.at_level(logging.WARNING, logger="amp_utils.stall_watchdog"),
