@@ -9,6 +9,7 @@ fails them: a CI run must not pass by skipping its end-to-end tests.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,21 @@ def fsdd_recordings(fsdd_root: Path) -> Path:
     recordings = find_fsdd_recordings(fsdd_root)
     assert recordings is not None
     return recordings
+
+
+@pytest.fixture(autouse=True)
+def _hydra_config_reset() -> Iterator[None]:
+    """Each test starts and ends without a global Hydra config.
+
+    ``HydraConfig.instance().set_config`` (a test standing in for a job) lives on in the
+    xdist worker: later tests' ``hydra_task_overrides()`` and ``in_single_process_sweep()``
+    then read that job's config, and pass or fail by which files the worker ran before.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().cfg = None
+    yield
+    HydraConfig.instance().cfg = None
 
 
 @pytest.fixture

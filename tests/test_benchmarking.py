@@ -258,7 +258,9 @@ def test_time_steps_reports_the_wait_for_a_late_batch():
         size=lambda b: (1, 0.0, (1,)),
     )
     assert stats["wait_ms_max"] >= 50.0
-    assert stats["wait_ms_mean"] == pytest.approx(stats["wait_ms_max"] / 3, rel=0.2)
+    # the mean over 3 steps holds the 50 ms wait once (the other two: next() of a ready
+    # generator, well under 25 ms even on a loaded host)
+    assert stats["wait_ms_max"] / 3 <= stats["wait_ms_mean"] < stats["wait_ms_max"] / 2
     assert stats["p90_step_ms"] >= 50.0 and stats["p50_step_ms"] < 50.0  # one slow step
 
 

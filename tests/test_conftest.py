@@ -63,3 +63,20 @@ def test_every_test_that_needs_a_gpu_carries_the_gpu_marker():
     found = _tests_that_need_a_gpu()
     assert len(found) >= 8, found  # the scan sees the CUDA tests
     assert [(f, t) for f, t, marked in found if not marked] == []
+
+
+def test_a_test_may_set_hydras_global_config():
+    """The first of two: it leaves a job's config in Hydra's global singleton."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    HydraConfig.instance().cfg = OmegaConf.create({"hydra": {"job": {"name": "left_behind"}}})
+    assert HydraConfig.initialized() and HydraConfig.get().job.name == "left_behind"
+
+
+def test_the_next_test_starts_without_it():
+    """The second: the config of the test before it is gone (in the same xdist worker:
+    ``--dist loadfile`` keeps a file in one), so no test passes or fails by which ran first."""
+    from hydra.core.hydra_config import HydraConfig
+
+    assert not HydraConfig.initialized()

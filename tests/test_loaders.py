@@ -45,7 +45,8 @@ def test_timed_batches_reports_how_long_each_batch_took_to_arrive():
 
     waits: list[float] = []
     assert list(timed_batches(slow(), waits.append)) == [0, 1, 2]
-    assert len(waits) == 3 and waits[0] < 0.015 and waits[1] >= 0.02 and waits[2] >= 0.04
+    assert len(waits) == 3 and waits[1] >= 0.02 and waits[2] >= 0.04
+    assert waits[0] < waits[2] - 0.02  # the instant first batch: no sleep counted in it
 
 
 _SEEN_BY_INIT: list[int] = []

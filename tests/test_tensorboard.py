@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
+from tensorboard.summary.writer import event_file_writer
 
 from amp_utils.run_results import metric_label, metric_tag
 from amp_utils.step_ledger import StepInfo, StepLedger
@@ -216,7 +217,7 @@ def test_the_ranks_stop_flag_is_read_with_the_batch_and_leaves_the_loss_scale_al
     assert scales == [1024.0, 2048.0]
 
 
-def test_a_resumed_run_has_one_point_per_step(tmp_path: Path):
+def test_a_resumed_run_has_one_point_per_step(tmp_path: Path, monkeypatch):
     """Killed some steps after its last checkpoint, then resumed: the killed session's
     steps after the checkpoint are superseded (one point per step, the resumed ones), where
     every scalar after the checkpoint used to have two (kill -9 and resume)."""
@@ -233,6 +234,13 @@ def test_a_resumed_run_has_one_point_per_step(tmp_path: Path):
         run_opts,
         sgd,
     )
+
+    # Both sessions run in this process, likely within one second: their event files then
+    # sort by TensorBoard's process-wide writer counter, and a reader that loads the
+    # resumed session's file first (counter 10 before 9) sees its steps before the killed
+    # session's. A fresh counter keeps the files in the order they were written, as two
+    # processes' files (another second, another pid) are in a real resume.
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
 
     def run(kill_before: int | None = None) -> None:
         brain = dying_before(RegressionBrain, kill_before)(
