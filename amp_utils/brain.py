@@ -926,8 +926,11 @@ class Brain:
         read and collated), 12 % of the default recipe's 20 graphed steps. The order is the
         one ``start_epoch`` draws at the epoch's start (the sampler's seed and epoch, the
         loader's own generator), so training is the same; only the batches' loading moves.
+        A loader whose epochs stream (``amp_utils.loaders.streams_epochs``: persistent
+        workers and a ``DurationBatchSampler``) goes further: its workers are already
+        loading them during the last training steps, and this only continues its iteration.
         A hook that changes the sampler in ``on_stage_start(TRAIN)`` would come too late
-        for it: ``trainer.prefetch_next_epoch=false`` starts each epoch there instead.
+        for either: ``trainer.prefetch_next_epoch=false`` starts each epoch there instead.
         """
         self._next_epoch = (train_set, epoch, start_epoch(train_set, epoch))
 
@@ -968,7 +971,9 @@ class Brain:
         if started is not None and started[0] is train_set and started[1] == epoch and not skip:
             batches, total = started[2]  # started before the last epoch's validation
         else:
-            batches, total = start_epoch(train_set, epoch, skip)
+            batches, total = start_epoch(
+                train_set, epoch, skip, stream=self.run_opts.prefetch_next_epoch
+            )
         self._epoch_plan = epoch_fingerprint(train_set)
         self._check_resumed_plan(skip)
         if self.run_opts.debug and total is not None:

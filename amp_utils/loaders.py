@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -187,15 +188,73 @@ class EpochBatches(NamedTuple):
     total: int | None  # batches in the whole epoch, finished ones included; None: unknown
 
 
-def start_epoch(loader: DataLoader, epoch: int, skip: int = 0) -> EpochBatches:
+class _EpochStream:
+    """A loader's one iteration across epochs (see :func:`start_epoch`), and where it is."""
+
+    def __init__(self, iterator: Iterator[Any], sampler: Any, epoch: int) -> None:
+        self.iterator = iterator
+        self.sampler = sampler
+        self.iterations = sampler.iterations  # the sampler's iterations when it began
+        self.next_epoch: int | None = epoch  # the epoch whose first batch comes next
+
+    def continues(self, loader: DataLoader, epoch: int) -> bool:
+        """Whether the stream's next batch is ``epoch``'s first, from the loader's live
+        workers (no epoch left early, no other iteration of the loader since)."""
+        return (
+            self.next_epoch == epoch
+            and getattr(loader, "_iterator", None) is self.iterator
+            and self.sampler.iterations == self.iterations
+        )
+
+    def take(self, epoch: int, count: int) -> Iterator[Any]:
+        """``epoch``'s next ``count`` batches. Its last one moves the stream to the next
+        epoch's start; an epoch left before it leaves the stream's position unknown."""
+        self.next_epoch = None
+        for taken in range(1, count + 1):
+            try:
+                batch = next(self.iterator)
+            except StopIteration:  # an epoch without batches ended the sampler's stream
+                return
+            if taken == count:
+                self.next_epoch = epoch + 1
+            yield batch
+
+
+_STREAMS: weakref.WeakKeyDictionary[DataLoader, _EpochStream] = weakref.WeakKeyDictionary()
+
+
+def streams_epochs(loader: DataLoader) -> bool:
+    """Whether :func:`start_epoch` runs ``loader``'s epochs as one iteration: persistent
+    workers and a batch sampler that can go on into the next epoch (``spans_epochs``, e.g.
+    ``data.sampler.DurationBatchSampler``)."""
+    return (
+        loader.num_workers > 0
+        and loader.persistent_workers
+        and hasattr(loader.batch_sampler, "spans_epochs")
+    )
+
+
+def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = True) -> EpochBatches:
     """Start ``epoch`` of ``loader`` past its first ``skip`` batches (a mid-epoch resume).
 
     An epoch-aware sampler is told the epoch; one with ``skip_batches`` leaves the
     finished batches out itself (its ``len()`` then excludes them, and no batch is
     loaded twice); otherwise they are loaded and dropped here. Either way ``total``
     counts the whole epoch, so a progress bar starting at ``skip`` ends at ``total``.
+
+    With ``stream`` and a loader that :func:`streams_epochs`, epochs are one iteration of
+    the loader: its sampler runs on into the next epoch, so the workers load the next
+    epoch's first batches while the last ones of this epoch train. Restarting a
+    persistent loader's iteration instead (``iter()`` at each epoch) waits for every
+    worker to acknowledge, for the epoch's plan and for a first batch: 14-22 ms per epoch
+    on a 2-core CPU, ~20 ms on an H200's host, 12 % of the default recipe's graphed epoch.
+    The next epoch's batches are the ones a restart would draw (the sampler's plan is a
+    function of its seed and the epoch); an epoch left early (debug runs, a stop) or a
+    resume inside an epoch restarts the iteration there.
     """
     sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    if stream and streams_epochs(loader):
+        return _stream_epoch(loader, sampler, epoch, skip)
     skipped_by_sampler = False
     for candidate in (sampler, getattr(sampler, "sampler", None)):
         if hasattr(candidate, "set_epoch"):
@@ -212,6 +271,23 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0) -> EpochBatches:
         for _ in range(skip):
             next(batches)
     return EpochBatches(batches, total)
+
+
+def _stream_epoch(loader: DataLoader, sampler: Any, epoch: int, skip: int) -> EpochBatches:
+    """:func:`start_epoch` for a loader that :func:`streams_epochs`."""
+    sampler.set_epoch(epoch)  # this epoch's len() and fingerprint, as without the stream
+    if skip:
+        sampler.skip_batches(skip)
+    count = len(loader)  # the epoch's batches after skip
+    current = _STREAMS.get(loader)
+    if skip or current is None or not current.continues(loader, epoch):
+        sampler.spans_epochs = True  # a DataLoader calls iter(sampler) twice when it starts
+        try:
+            iterator = iter(loader)
+        finally:
+            sampler.spans_epochs = False
+        current = _STREAMS[loader] = _EpochStream(iterator, sampler, epoch)
+    return EpochBatches(current.take(epoch, count), count + skip)
 
 
 def epoch_fingerprint(loader: DataLoader) -> str | None:

@@ -33,7 +33,7 @@ class RunOptions:
     ckpt_interval_minutes: float = 0.0  # intra-epoch checkpoint every N minutes (0: off)
     ckpt_interval_steps: int = 0  # intra-epoch checkpoint every N optimizer steps (0: off)
     stall_warning_minutes: float = 10.0  # no batch for N minutes: warn with the stack (0: off)
-    prefetch_next_epoch: bool = True  # start the next epoch's batches before validating
+    prefetch_next_epoch: bool = True  # load the next epoch's first batches before it starts
     debug: bool = False  # run only a few batches and epochs
     debug_batches: int = 2  # batches per stage in debug mode
     debug_epochs: int = 2  # epochs in debug mode

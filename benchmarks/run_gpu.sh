@@ -46,7 +46,12 @@
 # peers (ours 5.0x/5.4x), cuDNN depthwise (1.18x on Conformer-M bf16: gpu_asr's default
 # since) and activation memory; it found the loader-shutdown stall and the first-epoch
 # throughput bias, both fixed since, and the loaders now load the next epoch's first batches
-# during validation (trainer.prefetch_next_epoch). Not measured yet, in this order:
+# during validation (trainer.prefetch_next_epoch); since 2026-11-27 (second CPU session) a
+# training loader streams its epochs as one iteration (27-31 ms -> 1.4-1.8 ms first-batch
+# wait per epoch on a 2-core CPU), and bench_graphs' loader rows start epochs the same way:
+# their loader/staged (0.91/0.92 in bf16/fp16) should reach the 0.95 target now, and
+# should be added to command 1 (PARTS="default_runs bench_graphs graph_tests
+# bench_m_graphs", ~70 s more). Not measured yet, in this order:
 # default_runs again (the summary should say >= 1.2x with a lower data_wait_share than
 # 0.038/0.083, bf16's peak below fp32's, and the part end rc 0: its rc 124 came after the
 # summary, with the process not exiting for 76 s, not reproduced on a CPU), the graph tests

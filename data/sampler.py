@@ -111,7 +111,16 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.pad_quantum = float(pad_quantum)
         self.epoch = 0
         self._skip = 0
-        self._cache: tuple[int, list[list[int]]] | None = None
+        #: Plans of the last two epochs asked: the current one, and the next one that a
+        #: stream across epochs (below) computes while the current one still trains.
+        self._cache: dict[int, list[list[int]]] = {}
+        #: While true, an iteration runs on from the current epoch (past ``skip_batches``)
+        #: into the next ones without end: ``amp_utils.loaders.start_epoch`` sets it around
+        #: the ``iter()`` of a DataLoader whose workers then load across epoch ends.
+        self.spans_epochs = False
+        #: Iterations started so far: a stream across epochs is only continued if nobody
+        #: iterated the sampler since it began (that would have reset its DataLoader).
+        self.iterations = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose batches iterations yield (seeds the shuffle).
@@ -187,13 +196,16 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
                 batches.append(batch)
         return batches
 
-    def _all_batches(self) -> list[list[int]]:
-        """Batches of the current epoch for all ranks together (cached per epoch)."""
-        if self._cache is not None and self._cache[0] == self.epoch:
-            return self._cache[1]
+    def _all_batches(self, epoch: int | None = None) -> list[list[int]]:
+        """Batches of ``epoch`` (default: the current one) for all ranks together, cached
+        for the last two epochs asked. A function of the epoch alone: computing another epoch's
+        never changes the current one."""
+        epoch = self.epoch if epoch is None else epoch
+        if epoch in self._cache:
+            return self._cache[epoch]
         # seeded with both, not their sum: seed + epoch gave seed 2's epoch 1 the order of
         # seed 1's epoch 2, so the runs of a sweep over seeds shared their data orders
-        rng = random.Random(f"{self.seed}-{self.epoch}")
+        rng = random.Random(f"{self.seed}-{epoch}")
         batches: list[list[int]] = []
         for bucket in self._buckets():
             if self.shuffle:
@@ -201,18 +213,30 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
             batches.extend(self._pack(bucket))
         if self.shuffle:
             rng.shuffle(batches)
-        self._cache = (self.epoch, batches)
+        self._cache[epoch] = batches
+        if len(self._cache) > 2:
+            del self._cache[next(iter(self._cache))]  # the oldest
         return batches
 
-    def _kept_batches(self) -> list[list[int]]:
-        """This epoch's batches of all ranks, less the uneven rest (``drop_uneven``)."""
-        batches = self._all_batches()
+    def _kept_batches(self, epoch: int | None = None) -> list[list[int]]:
+        """An epoch's batches of all ranks, less the uneven rest (``drop_uneven``)."""
+        batches = self._all_batches(epoch)
         if self.drop_uneven:
             batches = batches[: len(batches) - len(batches) % self.num_replicas]
         return batches
 
-    def _rank_batches(self) -> list[list[int]]:
-        return self._kept_batches()[self.rank :: self.num_replicas]
+    def _rank_batches(self, epoch: int | None = None) -> list[list[int]]:
+        return self._kept_batches(epoch)[self.rank :: self.num_replicas]
+
+    def _epochs_from(self, epoch: int, skip: int) -> Iterator[list[int]]:
+        """This rank's batches of ``epoch`` past ``skip``, then of every later epoch; ends
+        at an epoch without batches (rather than looking for one forever)."""
+        while True:
+            batches = self._rank_batches(epoch)[skip:]
+            if not batches and skip == 0:
+                return
+            yield from batches
+            epoch, skip = epoch + 1, 0
 
     def epoch_fingerprint(self) -> str:
         """A digest of the current epoch's batch plan (all ranks, before any skip).
@@ -230,6 +254,9 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         return sum(len(batch) for batch in self._kept_batches())
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.iterations += 1
+        if self.spans_epochs:
+            return self._epochs_from(self.epoch, self._skip)
         return iter(self._rank_batches()[self._skip :])
 
     def __len__(self) -> int:

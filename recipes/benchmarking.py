@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from amp_utils import Stage
 from amp_utils.atomic import atomic_write_text
 from amp_utils.autocast import PRECISIONS
+from amp_utils.loaders import start_epoch
 from amp_utils.precision import configure_tf32
 from data.dataset import AudioBatch
 from recipes.audio_brain import AudioBrain
@@ -295,11 +296,12 @@ def cycle(items: list[AudioBatch]) -> Iterator[AudioBatch]:
 
 
 def loader_batches(loader: Any) -> Iterator[AudioBatch]:
-    """Endless iterator over a DataLoader, epoch after epoch."""
+    """Endless iterator over a DataLoader, epoch after epoch, each started as the Brain's
+    training starts it (``start_epoch``: the next epoch's batches load during the last
+    ones of an epoch where the loader streams its epochs)."""
     epoch = 0
     while True:
-        loader.batch_sampler.set_epoch(epoch)
-        yield from loader
+        yield from start_epoch(loader, epoch).batches
         epoch += 1
 
 

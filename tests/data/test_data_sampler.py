@@ -159,3 +159,30 @@ def test_bad_arguments_raise() -> None:
         DurationBatchSampler(DURATIONS, BUDGET, num_replicas=2, rank=2)
     with pytest.raises(DataError, match="duration"):
         DurationBatchSampler([], BUDGET)
+
+
+def test_spanning_epochs_runs_on_into_the_next_epochs_without_changing_the_current_one():
+    """``spans_epochs`` (set by amp_utils.loaders.start_epoch around a DataLoader's start):
+    one iteration yields the current epoch past its skip, then each later epoch's batches
+    exactly as set_epoch would give them; the sampler's own epoch, len() and fingerprint
+    stay the current epoch's."""
+    from itertools import islice
+
+    durations = [0.5 + (i * 7 % 11) / 10 for i in range(40)]
+
+    def plan(epoch: int) -> list[list[int]]:
+        reference = DurationBatchSampler(durations, max_batch_seconds=4, seed=5, num_buckets=3)
+        reference.set_epoch(epoch)
+        return list(reference)
+
+    sampler = DurationBatchSampler(durations, max_batch_seconds=4, seed=5, num_buckets=3)
+    sampler.set_epoch(2)
+    sampler.skip_batches(3)
+    fingerprint, length = sampler.epoch_fingerprint(), len(sampler)
+    sampler.spans_epochs = True
+    expected = plan(2)[3:] + plan(3) + plan(4)
+    assert list(islice(iter(sampler), len(expected))) == expected
+    assert sampler.epoch == 2 and len(sampler) == length
+    assert sampler.epoch_fingerprint() == fingerprint
+    sampler.spans_epochs = False
+    assert list(sampler) == plan(2)[3:]  # finite again
