@@ -930,7 +930,9 @@ class Brain:
         workers and a ``DurationBatchSampler``) goes further: its workers are already
         loading them during the last training steps, and this only continues its iteration.
         A hook that changes the sampler in ``on_stage_start(TRAIN)`` would come too late
-        for either: ``trainer.prefetch_next_epoch=false`` starts each epoch there instead.
+        for either (a streaming loader draws the next epoch's first batches during the last
+        steps of the one before): ``trainer.prefetch_next_epoch=false`` starts each epoch
+        there instead.
         """
         self._next_epoch = (train_set, epoch, start_epoch(train_set, epoch))
 

@@ -169,6 +169,7 @@ def shut_down_workers(loader: DataLoader) -> None:
         iterator._shutdown_workers()
     if hasattr(loader, "_iterator"):
         loader._iterator = None
+    _STREAMS.pop(loader, None)  # its iterator, and the next epoch's batches it holds
 
 
 def replays_its_order(loader: DataLoader) -> bool:
@@ -246,11 +247,15 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = Tr
     the loader: its sampler runs on into the next epoch, so the workers load the next
     epoch's first batches while the last ones of this epoch train. Restarting a
     persistent loader's iteration instead (``iter()`` at each epoch) waits for every
-    worker to acknowledge, for the epoch's plan and for a first batch: 14-22 ms per epoch
-    on a 2-core CPU, ~20 ms on an H200's host, 12 % of the default recipe's graphed epoch.
+    worker to acknowledge, for the epoch's plan and for a first batch: 27-31 ms per epoch
+    on a 2-core CPU (1.4-1.8 ms streamed), ~20 ms on an H200's host, 12 % of the default
+    recipe's graphed epoch.
     The next epoch's batches are the ones a restart would draw (the sampler's plan is a
     function of its seed and the epoch); an epoch left early (debug runs, a stop) or a
-    resume inside an epoch restarts the iteration there.
+    resume inside an epoch restarts the iteration there. The sampler draws an epoch's
+    batches up to ``prefetch_factor * num_workers`` batches before the epoch starts, so
+    its options must not change while a loader streams; after the last epoch the workers
+    hold that many batches of an epoch never trained, until :func:`shut_down_workers`.
     """
     sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
     if stream and streams_epochs(loader):

@@ -329,9 +329,14 @@ def test_the_next_epochs_first_batches_load_during_the_last_steps(tmp_path, stre
         batches, total = start_epoch(loader, 0, stream=stream)
         for _ in range(total - 1):
             next(batches)
-        time.sleep(0.5)  # the last step: workers are idle unless they have more to load
-        loaded = len(log.read_text().splitlines())
-        assert (loaded > 48) == stream, loaded  # epoch 0 loads each of the 48 items once
+        # the last step: the workers are idle unless they have more to load
+        deadline = time.monotonic() + (10.0 if stream else 0.5)
+        while time.monotonic() < deadline:
+            loaded = len(log.read_text().splitlines())
+            if loaded > 48:  # epoch 0 loads each of the 48 items once
+                break
+            time.sleep(0.02)
+        assert (loaded > 48) == stream, loaded
         assert len(list(batches)) == 1
     finally:
         shut_down_workers(loader)
@@ -383,3 +388,15 @@ def test_a_fit_over_streamed_epochs_trains_as_one_over_restarted_epochs():
         finally:
             shut_down_workers(loader)
     assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False], strict=True))
+
+
+def test_shutting_down_a_streaming_loader_lets_go_of_its_stream():
+    """The stream's iterator holds the next epoch's loaded (pinned, on CUDA) batches: a
+    finished run's shut-down loader must not keep them until the loader itself is freed."""
+    from amp_utils.loaders import _STREAMS, shut_down_workers
+
+    loader = _streaming_loader()
+    list(start_epoch(loader, 0).batches)
+    assert loader in _STREAMS
+    shut_down_workers(loader)
+    assert loader not in _STREAMS
