@@ -49,18 +49,19 @@
 # during validation (trainer.prefetch_next_epoch); since 2026-11-27 (second CPU session) a
 # training loader streams its epochs as one iteration (27-31 ms -> 1.4-1.8 ms first-batch
 # wait per epoch on a 2-core CPU), and bench_graphs' loader rows start epochs the same way:
-# their loader/staged (0.91/0.92 in bf16/fp16) should reach the 0.95 target now, and
-# should be added to command 1 (PARTS="default_runs bench_graphs graph_tests
-# bench_m_graphs", ~70 s more). Not measured yet, in this order:
+# their loader/staged (0.91/0.92 in bf16/fp16) should reach the 0.95 target now: bench_graphs
+# joins command 1 below (~70 s). Not measured yet, in this order:
 # default_runs again (the summary should say >= 1.2x with a lower data_wait_share than
 # 0.038/0.083, bf16's peak below fp32's, and the part end rc 0: its rc 124 came after the
-# summary, with the process not exiting for 76 s, not reproduced on a CPU), the graph tests
+# summary, with the process not exiting for 76 s; on a CPU a -m sweep with debug=fast and 4
+# workers exits 1.1 s after its summary since the loader-shutdown fix), the graph tests
 # the 160 s cut (GRAPH_TESTS_K="interrupted_run or ctc_on_device or fast_kernels"),
 # bench_m_graphs (fp32, TF32, bf16, fp16 with cuDNN's depthwise kernels: the 3.0x/1.6x/2.7x
 # targets), the accuracy sweep with low_precision_norms, bench_graphs_unfused.
 # Next lease (~900 s with the start): command 1
-#   DEADLINE=560 PARTS="default_runs graph_tests bench_m_graphs" GRAPH_TESTS_K="..." (above);
-# command 2 with what is left (DEADLINE=<left - 60>):
+#   DEADLINE=560 PARTS="default_runs bench_graphs graph_tests" GRAPH_TESTS_K="..." (above;
+#   200 + 100 + 160 s at most); command 2: PARTS=bench_m_graphs (~290 s), DEADLINE=<left - 60>;
+# then, if time is left, a command 3 with what is left:
 #   PARTS=sweep SWEEP_PRECISIONS="bf16 bf16_low_norms fp32", or bench_graphs_unfused.
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
 # every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
@@ -137,7 +138,7 @@ SMALL_PRECISIONS=${SMALL_PRECISIONS:-[fp32,bf16,fp16]}      # precisions of benc
 SMALL_MODES=${SMALL_MODES:-[bare,brain,staged,loader]}    # modes of bench_small
 # the parts to run, in this order (sweep: the precisions at once; sweep_<p>: one precision);
 # what the deadline cuts is reported as skipped
-PARTS=${PARTS:-"default_runs graph_tests bench_m_graphs sweep bench_graphs_unfused bench_graphs_low_norms bench_graphs bench_m_depthwise bench_peers activation_memory bench_graphs_compiled bench_m gpu_tests bench_small"}
+PARTS=${PARTS:-"default_runs bench_graphs graph_tests bench_m_graphs sweep bench_graphs_unfused bench_graphs_low_norms bench_m_depthwise bench_peers activation_memory bench_graphs_compiled bench_m gpu_tests bench_small"}
 mkdir -p "$OUT" "$WORK"
 # A second command on the same warm machine shares $WORK (sweeps resume from their
 # checkpoints there): its summary lists only what this command wrote (newer than STAMP).
