@@ -226,12 +226,14 @@ _STREAMS: weakref.WeakKeyDictionary[DataLoader, _EpochStream] = weakref.WeakKeyD
 
 def streams_epochs(loader: DataLoader) -> bool:
     """Whether :func:`start_epoch` runs ``loader``'s epochs as one iteration: persistent
-    workers and a batch sampler that can go on into the next epoch (``spans_epochs``, e.g.
-    ``data.sampler.DurationBatchSampler``)."""
+    workers and a batch sampler that can go on into the next epoch (``spans_epochs``) and
+    skips a resumed epoch's batches itself (``skip_batches``), e.g.
+    ``data.sampler.DurationBatchSampler``."""
     return (
         loader.num_workers > 0
         and loader.persistent_workers
         and hasattr(loader.batch_sampler, "spans_epochs")
+        and hasattr(loader.batch_sampler, "skip_batches")
     )
 
 
@@ -258,8 +260,6 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = Tr
     hold that many batches of an epoch never trained, until :func:`shut_down_workers`.
     """
     sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-    if stream and streams_epochs(loader):
-        return _stream_epoch(loader, sampler, epoch, skip)
     skipped_by_sampler = False
     for candidate in (sampler, getattr(sampler, "sampler", None)):
         if hasattr(candidate, "set_epoch"):
@@ -271,6 +271,8 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = Tr
     total = len(loader) if hasattr(loader, "__len__") else None
     if total is not None and skipped_by_sampler:
         total += skip
+    if stream and streams_epochs(loader):  # its sampler skipped (it has skip_batches)
+        return EpochBatches(_streamed(loader, sampler, epoch, skip), total)
     batches = iter(loader)
     if skip and not skipped_by_sampler:
         for _ in range(skip):
@@ -278,12 +280,9 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = Tr
     return EpochBatches(batches, total)
 
 
-def _stream_epoch(loader: DataLoader, sampler: Any, epoch: int, skip: int) -> EpochBatches:
-    """:func:`start_epoch` for a loader that :func:`streams_epochs`."""
-    sampler.set_epoch(epoch)  # this epoch's len() and fingerprint, as without the stream
-    if skip:
-        sampler.skip_batches(skip)
-    count = len(loader)  # the epoch's batches after skip
+def _streamed(loader: DataLoader, sampler: Any, epoch: int, skip: int) -> Iterator[Any]:
+    """``epoch``'s batches past ``skip`` from the loader's stream (:func:`start_epoch`,
+    once the sampler is set to the epoch and its skip), continued or started here."""
     current = _STREAMS.get(loader)
     if skip or current is None or not current.continues(loader, epoch):
         sampler.spans_epochs = True  # a DataLoader calls iter(sampler) twice when it starts
@@ -292,7 +291,7 @@ def _stream_epoch(loader: DataLoader, sampler: Any, epoch: int, skip: int) -> Ep
         finally:
             sampler.spans_epochs = False
         current = _STREAMS[loader] = _EpochStream(iterator, sampler, epoch)
-    return EpochBatches(current.take(epoch, count), count + skip)
+    return current.take(epoch, len(loader))  # len(): the epoch's batches after skip
 
 
 def epoch_fingerprint(loader: DataLoader) -> str | None:
