@@ -16,14 +16,16 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Collect garbage and, on CUDA, hand the allocator's cached free blocks back.
+    """On CUDA, collect garbage and hand the allocator's cached free blocks back.
 
     Call it before the warm-up of a measurement: a new peak-memory window starts at the
     memory reserved then, cached blocks that earlier work left behind included, so a row
-    timed after another would otherwise count the other's leftovers.
+    timed after another would otherwise count the other's leftovers. On a CPU the window
+    is the process's peak RSS, and :func:`reset_peak_memory` collects and trims the heap
+    itself when it starts one (collecting here too ran a second full collection).
     """
-    gc.collect()
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 

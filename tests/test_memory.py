@@ -71,3 +71,34 @@ def test_a_cuda_window_reset_keeps_the_allocators_cache(monkeypatch):
     )
     reset_peak_memory(torch.device("cuda", 0))
     assert calls == ["reset_peak"]
+
+
+def test_a_cpu_window_collects_garbage_once_before_its_heap_is_trimmed(monkeypatch):
+    """On a CPU the window is the peak RSS: garbage is collected (a reference cycle's
+    tensors freed) and the heap trimmed when it starts, once: releasing first, as a new
+    job does, adds no second full collection."""
+    import gc
+
+    import amp_utils.memory as memory
+
+    calls: list[str] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(memory, "_trim_heap", lambda: calls.append("trim"))
+    cpu = torch.device("cpu")
+    memory.release_cached_memory(cpu)
+    memory.reset_peak_memory(cpu)
+    assert calls == ["collect", "trim"]
+
+
+def test_a_cuda_release_collects_garbage_before_emptying_the_cache(monkeypatch):
+    """Tensors alive only in a reference cycle hold their blocks until collected: the
+    cache is emptied after the collection, or those blocks stay reserved."""
+    import gc
+
+    from amp_utils.memory import release_cached_memory
+
+    calls: list[str] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    release_cached_memory(torch.device("cuda", 0))
+    assert calls == ["collect", "empty_cache"]
