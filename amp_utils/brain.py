@@ -71,6 +71,7 @@ from amp_utils.loaders import (
     seeded_generator,
     shut_down_workers,
     start_epoch,
+    streams_epochs,
     timed_batches,
 )
 from amp_utils.memory import peak_memory_mb, release_cached_memory, reset_peak_memory
@@ -934,7 +935,17 @@ class Brain:
         steps of the one before): ``trainer.prefetch_next_epoch=false`` starts each epoch
         there instead.
         """
-        self._next_epoch = (train_set, epoch, start_epoch(train_set, epoch))
+        self._next_epoch = (
+            train_set,
+            epoch,
+            start_epoch(train_set, epoch, last_epoch=self._last_epoch()),
+        )
+
+    def _last_epoch(self) -> int | None:
+        """The last epoch ``fit`` trains, where its epoch counter has a limit (an
+        :class:`EpochCounter`): a loader streaming its epochs loads nothing past it."""
+        counter = self._epoch_counter
+        return counter.limit if isinstance(counter, EpochCounter) else None
 
     def epoch_label(self, epoch: int | None) -> str:
         """``"3/30"``: the epoch and the number of epochs (when the epoch counter has one)."""
@@ -974,7 +985,11 @@ class Brain:
             batches, total = started[2]  # started before the last epoch's validation
         else:
             batches, total = start_epoch(
-                train_set, epoch, skip, stream=self.run_opts.prefetch_next_epoch
+                train_set,
+                epoch,
+                skip,
+                stream=self.run_opts.prefetch_next_epoch,
+                last_epoch=self._last_epoch(),
             )
         self._epoch_plan = epoch_fingerprint(train_set)
         self._check_resumed_plan(skip)
@@ -1131,8 +1146,12 @@ class Brain:
         validating = stage == Stage.VALID and epoch is not None
         rounds = self._validation_rounds(loader) if validating else None
         batches: Iterable[Any] = loader
+        if validating and self.run_opts.prefetch_next_epoch and streams_epochs(loader):
+            # its epochs stream as the training loader's do: the next validation's first
+            # batches load during training, instead of a restart here at every epoch
+            batches = start_epoch(loader, epoch, last_epoch=self._last_epoch()).batches
         if rounds is not None:  # every rank the same number of rounds (None: no batch left)
-            batches = itertools.islice(itertools.chain(loader, itertools.repeat(None)), rounds)
+            batches = itertools.islice(itertools.chain(batches, itertools.repeat(None)), rounds)
         with torch.no_grad():
             for batch in tqdm(
                 batches, total=rounds, dynamic_ncols=True, disable=not enable, desc=desc

@@ -192,17 +192,22 @@ class EpochBatches(NamedTuple):
 class _EpochStream:
     """A loader's one iteration across epochs (see :func:`start_epoch`), and where it is."""
 
-    def __init__(self, iterator: Iterator[Any], sampler: Any, epoch: int) -> None:
+    def __init__(
+        self, iterator: Iterator[Any], sampler: Any, epoch: int, until: int | None
+    ) -> None:
         self.iterator = iterator
         self.sampler = sampler
         self.iterations = sampler.iterations  # the sampler's iterations when it began
         self.next_epoch: int | None = epoch  # the epoch whose first batch comes next
+        self.until = until  # the last epoch it loads (None: without end)
 
     def continues(self, loader: DataLoader, epoch: int) -> bool:
         """Whether the stream's next batch is ``epoch``'s first, from the loader's live
-        workers (no epoch left early, no other iteration of the loader since)."""
+        workers (no epoch left early, no other iteration of the loader since, not past the
+        last epoch it loads)."""
         return (
             self.next_epoch == epoch
+            and (self.until is None or epoch <= self.until)
             and getattr(loader, "_iterator", None) is self.iterator
             and self.sampler.iterations == self.iterations
         )
@@ -237,7 +242,13 @@ def streams_epochs(loader: DataLoader) -> bool:
     )
 
 
-def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = True) -> EpochBatches:
+def start_epoch(
+    loader: DataLoader,
+    epoch: int,
+    skip: int = 0,
+    stream: bool = True,
+    last_epoch: int | None = None,
+) -> EpochBatches:
     """Start ``epoch`` of ``loader`` past its first ``skip`` batches (a mid-epoch resume).
 
     An epoch-aware sampler is told the epoch; one with ``skip_batches`` leaves the
@@ -256,8 +267,12 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = Tr
     function of its seed and the epoch); an epoch left early (debug runs, a stop) or a
     resume inside an epoch restarts the iteration there. The sampler draws an epoch's
     batches up to ``prefetch_factor * num_workers`` batches before the epoch starts, so
-    its options must not change while a loader streams; after the last epoch the workers
-    hold that many batches of an epoch never trained, until :func:`shut_down_workers`.
+    its options must not change while a loader streams. ``last_epoch`` (a run's last
+    epoch, e.g. an ``EpochCounter``'s limit) ends the stream there: without it, after the
+    last epoch the workers would load that many batches of an epoch never trained (CPU
+    time taken from the final validation and test) and hold them until
+    :func:`shut_down_workers`. An epoch past ``last_epoch`` (a run extended in the same
+    process) starts a new stream.
     """
     sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
     skipped_by_sampler = False
@@ -272,7 +287,7 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = Tr
     if total is not None and skipped_by_sampler:
         total += skip
     if stream and streams_epochs(loader):  # its sampler skipped (it has skip_batches)
-        return EpochBatches(_streamed(loader, sampler, epoch, skip), total)
+        return EpochBatches(_streamed(loader, sampler, epoch, skip, last_epoch), total)
     batches = iter(loader)
     if skip and not skipped_by_sampler:
         for _ in range(skip):
@@ -280,17 +295,21 @@ def start_epoch(loader: DataLoader, epoch: int, skip: int = 0, stream: bool = Tr
     return EpochBatches(batches, total)
 
 
-def _streamed(loader: DataLoader, sampler: Any, epoch: int, skip: int) -> Iterator[Any]:
+def _streamed(
+    loader: DataLoader, sampler: Any, epoch: int, skip: int, until: int | None
+) -> Iterator[Any]:
     """``epoch``'s batches past ``skip`` from the loader's stream (:func:`start_epoch`,
-    once the sampler is set to the epoch and its skip), continued or started here."""
+    once the sampler is set to the epoch and its skip), continued or started here; a
+    stream started here loads no epoch past ``until``."""
     current = _STREAMS.get(loader)
     if skip or current is None or not current.continues(loader, epoch):
-        sampler.spans_epochs = True  # a DataLoader calls iter(sampler) twice when it starts
+        # a DataLoader calls iter(sampler) twice when it starts
+        sampler.spans_epochs, sampler.spans_until = True, until
         try:
             iterator = iter(loader)
         finally:
-            sampler.spans_epochs = False
-        current = _STREAMS[loader] = _EpochStream(iterator, sampler, epoch)
+            sampler.spans_epochs, sampler.spans_until = False, None
+        current = _STREAMS[loader] = _EpochStream(iterator, sampler, epoch, until)
     return current.take(epoch, len(loader))  # len(): the epoch's batches after skip
 
 

@@ -118,6 +118,9 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         #: into the next ones without end: ``amp_utils.loaders.start_epoch`` sets it around
         #: the ``iter()`` of a DataLoader whose workers then load across epoch ends.
         self.spans_epochs = False
+        #: The last epoch such an iteration runs into (a run's last epoch: its workers
+        #: then load nothing past it); None: without end.
+        self.spans_until: int | None = None
         #: Iterations started so far: a stream across epochs is only continued if nobody
         #: iterated the sampler since it began (that would have reset its DataLoader).
         self.iterations = 0
@@ -228,10 +231,11 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
     def _rank_batches(self, epoch: int | None = None) -> list[list[int]]:
         return self._kept_batches(epoch)[self.rank :: self.num_replicas]
 
-    def _epochs_from(self, epoch: int, skip: int) -> Iterator[list[int]]:
-        """This rank's batches of ``epoch`` past ``skip``, then of every later epoch; ends
-        at an epoch without batches (rather than looking for one forever)."""
-        while True:
+    def _epochs_from(self, epoch: int, skip: int, until: int | None) -> Iterator[list[int]]:
+        """This rank's batches of ``epoch`` past ``skip``, then of every later epoch up to
+        ``until`` (None: without end); ends at an epoch without batches (rather than
+        looking for one forever)."""
+        while until is None or epoch <= until:
             batches = self._rank_batches(epoch)[skip:]
             if not batches and skip == 0:
                 return
@@ -256,7 +260,7 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         self.iterations += 1
         if self.spans_epochs:
-            return self._epochs_from(self.epoch, self._skip)
+            return self._epochs_from(self.epoch, self._skip, self.spans_until)
         return iter(self._rank_batches()[self._skip :])
 
     def __len__(self) -> int:

@@ -184,5 +184,7 @@ def test_spanning_epochs_runs_on_into_the_next_epochs_without_changing_the_curre
     assert list(islice(iter(sampler), len(expected))) == expected
     assert sampler.epoch == 2 and len(sampler) == length
     assert sampler.epoch_fingerprint() == fingerprint
+    sampler.spans_until = 3  # a run whose last epoch is 3: nothing of epoch 4
+    assert list(sampler) == plan(2)[3:] + plan(3)
     sampler.spans_epochs = False
     assert list(sampler) == plan(2)[3:]  # finite again
