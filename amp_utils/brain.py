@@ -113,10 +113,21 @@ TRAIN_STATS: dict[str, float] = {
     "warmup_time_s": 0.0,
     "warmup_utterances": 0,
     "warmup_audio_s": 0.0,
+    # fit's time besides training: the validation loops, and each epoch's end after its
+    # validation (metrics, logs, TensorBoard, checkpoint saving). A short step's epoch
+    # spends most of its time there (the default recipe on an H200: ~0.2 of ~0.6 s trains)
+    "valid_time_s": 0.0,
+    "epoch_end_time_s": 0.0,
 }
 #: Over DDP ranks the counts add up and the times are the slowest rank's.
 SUMMED_TRAIN_STATS = ("utterances", "audio_s", "warmup_utterances", "warmup_audio_s")
-SLOWEST_TRAIN_STATS = ("time_s", "data_wait_s", "warmup_time_s")
+SLOWEST_TRAIN_STATS = (
+    "time_s",
+    "data_wait_s",
+    "warmup_time_s",
+    "valid_time_s",
+    "epoch_end_time_s",
+)
 #: An epoch that waits for data this share of its time or more, and at least
 #: ``DATA_WAIT_MIN_S`` seconds (not a debug run's blink), gets a warning (once a run).
 DATA_WAIT_WARNING = 0.2
@@ -244,6 +255,7 @@ class Brain:
         self._epoch_trained_before = (0, 0.0)  # utterances and audio when the epoch started
         # (loader, epoch, its batches) started before the last epoch's validation
         self._next_epoch: tuple[DataLoader, int, EpochBatches] | None = None
+        self._stream_validation = False  # fit's validations stream (_streams_validation)
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._resume_grads: dict[str, Any] | None = None  # its unfinished window's gradients
         self._epoch_plan: str | None = None  # the training epoch's batch plan (its digest)
@@ -253,6 +265,7 @@ class Brain:
         self._ranks_signalled: torch.Tensor | None = None  # the batch's sum over the ranks
         self._unrecorded_step: StepInfo | None = None  # optimizers_step's, for train_step
         self._epoch_start = time.perf_counter()
+        self._epoch_train_s = 0.0  # the last training epoch's time (this session's part)
         self._epoch_counter: Any = None
         self._stage: Stage | None = None  # the stage running, and its epoch (stall warning)
         self._stage_epoch: int | None = None
@@ -849,10 +862,12 @@ class Brain:
         if valid_set is not None and not isinstance(valid_set, DataLoader):
             valid_set = self.make_dataloader(valid_set, Stage.VALID, **(valid_loader_kwargs or {}))
             made.append(valid_set)
+        self._stream_validation = self._streams_validation(valid_set)
         try:
             self._fit(epoch_counter, train_set, valid_set, progressbar)
         finally:
             self._next_epoch = None  # an epoch started for a fit that ended: dropped
+            self._stream_validation = False
             for loader in made:
                 shut_down_workers(loader)
 
@@ -902,11 +917,33 @@ class Brain:
                     break
                 last_debug_epoch = self.run_opts.debug and debug_epoch >= self.run_opts.debug_epochs
                 self._fit_train(train_set, epoch, enable)
-                if not last_debug_epoch and self._trains_after(epoch_counter, epoch):
+                # (a loader that also validates would take the started epoch's batches)
+                if (
+                    not last_debug_epoch
+                    and valid_set is not train_set
+                    and self._trains_after(epoch_counter, epoch)
+                ):
                     self._start_next_epoch(train_set, epoch + 1)
                 self._fit_valid(valid_set, epoch, enable)
                 if last_debug_epoch:
                     break
+
+    def _streams_validation(self, valid_set: DataLoader | None) -> bool:
+        """Whether ``fit`` runs its validations as one iteration of the validation loader
+        (``amp_utils.loaders.start_epoch``), its workers loading the next validation's first
+        batches while the epoch trains. Only where that gives every validation the batches
+        a restarted loader gives: ``trainer.prefetch_next_epoch``, a loader that
+        ``streams_epochs``, a sampler that does not shuffle (a shuffling one would draw
+        another epoch's batches each time; the recipes' validation samplers do not). A hook
+        that changes the validation sampler in ``on_stage_start(VALID)`` would come too late:
+        its first batches are drawn during the validation before.
+        """
+        return (
+            valid_set is not None
+            and bool(self.run_opts.prefetch_next_epoch)
+            and streams_epochs(valid_set)
+            and getattr(valid_set.batch_sampler, "shuffle", True) is False
+        )
 
     def _trains_after(self, epoch_counter: Iterable[int], epoch: int) -> bool:
         """Whether ``fit`` trains epoch ``epoch + 1`` next, as far as it can tell now (an
@@ -1030,8 +1067,9 @@ class Brain:
         self.flush_pending()
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._epoch_train_s = 0.0
         if self.step > skip:  # a session resumed past the epoch's last batch trained none
-            epoch_time = time.perf_counter() - self._epoch_start
+            epoch_time = self._epoch_train_s = time.perf_counter() - self._epoch_start
             self.train_stats["time_s"] += epoch_time
             epoch_wait = self.train_stats["data_wait_s"] - wait_before
             self._report_data_wait(epoch, epoch_wait, epoch_time, train_set)
@@ -1094,9 +1132,23 @@ class Brain:
     def _fit_valid(self, valid_set: DataLoader | None, epoch: int, enable: bool) -> None:
         if valid_set is None:
             return
+        started = time.perf_counter()
         avg_valid_loss = self._run_eval_loop(valid_set, Stage.VALID, epoch, enable)
-        self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)
+        validated = time.perf_counter()
+        self.train_stats["valid_time_s"] += validated - started
+        self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)  # saves the epoch's checkpoint
+        ended = time.perf_counter() - validated  # counted from the next checkpoint on
+        self.train_stats["epoch_end_time_s"] += ended
         self.step = 0
+        if self.tensorboard is not None:  # where this epoch's time went
+            self.tensorboard.log_scalars(
+                {
+                    "time/train_s": self._epoch_train_s,
+                    "time/valid_s": validated - started,
+                    "time/epoch_end_s": ended,
+                },
+                step=self.ledger.steps_taken,
+            )
 
     def _stop_in_validation(self, epoch: int, agreed: bool = False) -> None:
         """A signal during validation: save the trained epoch and exit now.
@@ -1144,17 +1196,19 @@ class Brain:
         stage_loss = RunningMean()
         desc = f"epoch {self.epoch_label(epoch)} {stage.name.lower()}" if epoch else "test"
         validating = stage == Stage.VALID and epoch is not None
-        rounds = self._validation_rounds(loader) if validating else None
         batches: Iterable[Any] = loader
-        if validating and self.run_opts.prefetch_next_epoch and streams_epochs(loader):
-            # its epochs stream as the training loader's do: the next validation's first
-            # batches load during training, instead of a restart here at every epoch
-            batches = start_epoch(loader, epoch, last_epoch=self._last_epoch()).batches
+        total = None  # tqdm's: len(loader)
+        if validating and self._stream_validation:
+            # its validations stream as the training loader's epochs do: the next one's
+            # first batches load during training, instead of a restart here every epoch
+            batches, total = start_epoch(loader, epoch, last_epoch=self._last_epoch())
+        rounds = self._validation_rounds(loader) if validating else None
         if rounds is not None:  # every rank the same number of rounds (None: no batch left)
             batches = itertools.islice(itertools.chain(batches, itertools.repeat(None)), rounds)
+            total = rounds
         with torch.no_grad():
             for batch in tqdm(
-                batches, total=rounds, dynamic_ncols=True, disable=not enable, desc=desc
+                batches, total=total, dynamic_ncols=True, disable=not enable, desc=desc
             ):
                 if batch is not None:
                     if self.run_opts.debug and self.step >= self.run_opts.debug_batches:

@@ -233,10 +233,12 @@ def streams_epochs(loader: DataLoader) -> bool:
     """Whether :func:`start_epoch` runs ``loader``'s epochs as one iteration: persistent
     workers and a batch sampler that can go on into the next epoch (``spans_epochs``) and
     skips a resumed epoch's batches itself (``skip_batches``), e.g.
-    ``data.sampler.DurationBatchSampler``."""
+    ``data.sampler.DurationBatchSampler``; its batches in order (``in_order``: out of order,
+    an epoch's last batches could come after the next epoch's first)."""
     return (
         loader.num_workers > 0
         and loader.persistent_workers
+        and getattr(loader, "in_order", True)
         and hasattr(loader.batch_sampler, "spans_epochs")
         and hasattr(loader.batch_sampler, "skip_batches")
     )
@@ -274,6 +276,11 @@ def start_epoch(
     :func:`shut_down_workers`. An epoch past ``last_epoch`` (a run extended in the same
     process) starts a new stream.
     """
+    if last_epoch is not None and epoch > last_epoch:
+        raise ValueError(
+            f"start_epoch: epoch {epoch} is past last_epoch {last_epoch}. Fix: pass the run's "
+            "last epoch (at least this one), or None."
+        )
     sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
     skipped_by_sampler = False
     for candidate in (sampler, getattr(sampler, "sampler", None)):

@@ -54,7 +54,9 @@
 # default_runs again (the summary should say >= 1.2x with a lower data_wait_share than
 # 0.038/0.083, bf16's peak below fp32's, and the part end rc 0: its rc 124 came after the
 # summary, with the process not exiting for 76 s; on a CPU a -m sweep with debug=fast and 4
-# workers exits 1.1 s after its summary since the loader-shutdown fix), the graph tests
+# workers exits 1.1 s after its summary since the loader-shutdown fix; each job's "time:"
+# log line and results.json now say how much of its wall time trained, validated and ended
+# epochs: the 2026-11-27 lease saw ~0.2 s of each ~0.6 s epoch train), the graph tests
 # the 160 s cut (GRAPH_TESTS_K="interrupted_run or ctc_on_device or fast_kernels"),
 # bench_m_graphs (fp32, TF32, bf16, fp16 with cuDNN's depthwise kernels: the 3.0x/1.6x/2.7x
 # targets), the accuracy sweep with low_precision_norms, bench_graphs_unfused.

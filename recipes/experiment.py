@@ -406,6 +406,9 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
             results.collapsed = collapse.record()
         results.write(out_dir / RESULTS_FILE)
+        split = results.time_split()
+        if split is not None:
+            logger.info("time: %s", split)
         hparams, metrics = tensorboard_hparams(cfg, results, data)
         tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
         tensorboard.log_hparams(hparams, list(metrics))

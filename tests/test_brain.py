@@ -118,6 +118,40 @@ def test_throughput_counts_training_time_only():
     assert train_sleep <= brain.train_stats["time_s"] <= wall - valid_sleep
 
 
+def test_fit_records_where_its_time_goes_besides_training():
+    """Validation loops and epoch ends (metrics, logs, the checkpoint) are timed apart from
+    training, per run (``train_stats``, results.json) and per epoch (TensorBoard
+    ``time/*``): on an H200 the default recipe trains ~0.2 s of each ~0.6 s epoch."""
+    import time
+
+    class SlowBrain(RegressionBrain):
+        def compute_forward(self, batch, stage):
+            time.sleep(0.01)  # each training and validation batch
+            return super().compute_forward(batch, stage)
+
+        def on_stage_end(self, stage, stage_loss, epoch=None):
+            if stage == Stage.VALID:
+                time.sleep(0.15)  # metrics, logs, the checkpoint
+
+    tensorboard = RecordingLogger()
+    brain = SlowBrain({"model": make_model()}, sgd(), run_opts=run_opts(), tensorboard=tensorboard)
+    data = DataLoader(make_data(), batch_size=8)
+    start = time.perf_counter()
+    brain.fit(range(3), data, valid_set=data)
+    wall = time.perf_counter() - start
+    stats = brain.train_stats
+    valid_sleep, end_sleep = 3 * 4 * 0.01, 3 * 0.15
+    assert valid_sleep <= stats["valid_time_s"] < end_sleep  # the batches, not the ends
+    assert end_sleep <= stats["epoch_end_time_s"] <= wall - valid_sleep - 3 * 4 * 0.01
+    assert stats["time_s"] <= wall - valid_sleep - end_sleep  # training's own time
+    epochs = [s for _, s in tensorboard.scalars if "time/valid_s" in s]
+    assert len(epochs) == 3
+    for epoch in epochs:
+        assert epoch["time/train_s"] >= 0.04 and epoch["time/valid_s"] >= 0.04
+        assert epoch["time/epoch_end_s"] >= 0.15
+    assert sum(e["time/valid_s"] for e in epochs) == pytest.approx(stats["valid_time_s"])
+
+
 def test_throughput_leaves_out_each_sessions_first_epoch():
     """A process's first epoch pays its start-up (CUDA context, compilation, graph
     captures): the run's rates leave each session's first epoch out, as long as later

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from amp_utils.brain import Brain, Stage
 from amp_utils.loaders import start_epoch
 from data.sampler import DurationBatchSampler
 
@@ -286,6 +287,9 @@ def test_a_streaming_loader_runs_its_epochs_as_one_iteration_with_each_epochs_ba
 
     loader = _streaming_loader()
     assert streams_epochs(loader)
+    out_of_order = _streaming_loader()
+    out_of_order.in_order = False  # an epoch's last batches could follow the next's first
+    assert not streams_epochs(out_of_order)
     sampler = loader.batch_sampler
     try:
         for epoch in range(4):
@@ -374,6 +378,8 @@ def test_a_stream_loads_nothing_past_the_last_epoch_and_an_epoch_after_it_starts
         got = [b[0].tolist() for b in start_epoch(loader, 3, last_epoch=4).batches]
         assert got == _plan(loader, 3)
         assert 4 in asked  # a stream again, up to its new last epoch
+        with pytest.raises(ValueError, match="past last_epoch 4"):  # not an empty epoch
+            start_epoch(loader, 5, last_epoch=4)
     finally:
         shut_down_workers(loader)
 
@@ -428,47 +434,99 @@ def test_a_fit_over_streamed_epochs_trains_as_one_over_restarted_epochs():
     assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False], strict=True))
 
 
-def test_a_fit_streams_its_validation_loader_with_the_same_batches():
+class _Regression(Brain):
+    """Fits y = 1 on the items' numbers; records each stage's batches and losses."""
+
+    def compute_forward(self, batch, stage):
+        self.seen.setdefault((stage, self._stage_epoch), []).append(batch[0].tolist())
+        return self.modules.model(batch[0].float().unsqueeze(1) / 48)
+
+    def compute_objectives(self, predictions, batch, stage):
+        return (predictions - 1.0).pow(2).mean()
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        if stage == Stage.VALID:
+            self.valid_losses.append(stage_loss)
+
+
+def _regression(prefetch: bool) -> _Regression:
+    brain = _Regression(
+        {"model": torch.nn.Linear(1, 1)},
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        run_opts={"device": "cpu", "noprogressbar": True, "prefetch_next_epoch": prefetch},
+    )
+    brain.seen, brain.valid_losses = {}, []
+    return brain
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_fit_streams_its_validation_loader_with_the_same_batches(monkeypatch, shuffle):
     """The validation loader's epochs stream too: its workers load the next validation's
     first batches during training instead of restarting at every epoch (~20 ms per epoch on
-    an H200's host), with the batches and so the losses of a restarted loader, and
-    nothing loaded past the run's last validation."""
+    an H200's host), with the batches and so the losses of a restarted loader, nothing
+    loaded past the run's last validation, and a progress bar that knows its length. A
+    validation sampler that shuffles is not streamed: each streamed validation would draw
+    another epoch's batches."""
+    import amp_utils.brain as brain_module
     from amp_utils import EpochCounter
-    from amp_utils.brain import Brain, Stage
     from amp_utils.loaders import shut_down_workers
 
-    class Regression(Brain):
-        def compute_forward(self, batch, stage):
-            return self.modules.model(batch[0].float().unsqueeze(1) / 48)
+    bars = []
+    real_bar = brain_module.tqdm
 
-        def compute_objectives(self, predictions, batch, stage):
-            return (predictions - 1.0).pow(2).mean()
+    def recorded_bar(*args, **kwargs):
+        bar = real_bar(*args, **kwargs)
+        bars.append((kwargs.get("desc", ""), bar.total))  # total: as given, or len()
+        return bar
 
-        def on_stage_end(self, stage, stage_loss, epoch=None):
-            if stage == Stage.VALID:
-                self.valid_losses.append(stage_loss)
-
+    monkeypatch.setattr(brain_module, "tqdm", recorded_bar)
     losses = {}
     for prefetch in (True, False):
         torch.manual_seed(0)
         train, valid = _streaming_loader(workers=0), _streaming_loader()
-        valid.batch_sampler.shuffle = False  # as the recipes' validation loaders
+        valid.batch_sampler.shuffle = shuffle  # the recipes' validation samplers: False
         asked = _epochs_planned(valid.batch_sampler)
-        brain = Regression(
-            {"model": torch.nn.Linear(1, 1)},
-            lambda params: torch.optim.SGD(params, lr=0.1),
-            run_opts={"device": "cpu", "noprogressbar": True, "prefetch_next_epoch": prefetch},
-        )
-        brain.valid_losses = []
+        brain = _regression(prefetch)
+        bars.clear()
         try:
             brain.fit(EpochCounter(3), train, valid)
             iterations = valid.batch_sampler.iterations
-            assert iterations == (2 if prefetch else 2 + 2), iterations  # a start, 2 restarts
+            streamed = prefetch and not shuffle
+            assert iterations == (2 if streamed else 2 + 2), iterations  # a start, 2 restarts
             assert 4 not in asked, asked
         finally:
             shut_down_workers(valid)
+        validations = [(d, t) for d, t in bars if d.endswith(" valid")]
+        for epoch, (_, total) in enumerate(validations, start=1):
+            assert total == len(brain.seen[(Stage.VALID, epoch)]), (prefetch, validations)
         losses[prefetch] = brain.valid_losses
     assert len(losses[True]) == 3 and losses[True] == losses[False]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_loader_that_trains_and_validates_gives_each_stage_its_batches(shuffle):
+    """``fit(counter, loader, loader)``: no epoch is started before the validation (the
+    validation would take its batches: epochs 2 and 3 trained none); every epoch trains its
+    whole plan and validates, shuffled (no validation streams) or not (the validations and
+    the training epochs then share one stream)."""
+    from amp_utils import EpochCounter
+    from amp_utils.loaders import shut_down_workers
+
+    loader = _streaming_loader()
+    loader.batch_sampler.shuffle = shuffle
+    brain = _regression(prefetch=True)
+    try:
+        brain.fit(EpochCounter(3), loader, loader)
+    finally:
+        shut_down_workers(loader)
+    reference = _streaming_loader()
+    reference.batch_sampler.shuffle = shuffle
+    for epoch in (1, 2, 3):
+        reference.batch_sampler.set_epoch(epoch)
+        planned = [batch[0].tolist() for batch in reference]
+        assert brain.seen[(Stage.TRAIN, epoch)] == planned, epoch
+        assert len(brain.seen[(Stage.VALID, epoch)]) > 0, epoch
+    assert all(loss > 0 for loss in brain.valid_losses)
 
 
 def test_shutting_down_a_streaming_loader_lets_go_of_its_stream():

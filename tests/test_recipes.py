@@ -92,6 +92,7 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     tmp_path, fsdd_root, prepared_digits, precision, caplog
 ):
     cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, f"precision={precision}")
+    caplog.set_level(logging.INFO, logger="recipes.experiment")
     results = train(cfg)
     run = tmp_path / "run"
     saved = json.loads((run / "results.json").read_text())
@@ -104,6 +105,12 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert saved["throughput"]["train_audio_seconds_per_s"] > 0
     assert 0 <= saved["throughput"]["data_wait_share"] < 1  # share of training time
     assert saved["peak_memory_mb"] > 0 and saved["wall_time_s"] > 0
+    # where the wall time went: training, validation, epoch ends (checkpoints), the rest
+    speed = saved["throughput"]
+    assert speed["valid_time_s"] > 0 and speed["epoch_end_time_s"] > 0
+    parts = speed["train_time_s"] + speed["valid_time_s"] + speed["epoch_end_time_s"]
+    assert parts < saved["wall_time_s"]
+    assert "time: wall time" in caplog.text and "validation" in caplog.text
     assert saved["optimizer_steps"] == 4
     assert "torch" in (run / "env.txt").read_text()
     # Four steps teach a CTC model the labels' prior: it says one thing (nothing, or one
@@ -151,6 +158,9 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
         "valid/CER",
         "valid/WER",
         "epoch/train_loss",
+        "time/train_s",
+        "time/valid_s",
+        "time/epoch_end_s",
     ):
         assert tag in found["scalars"], tag
     assert "valid/examples/text_summary" in found["tensors"]

@@ -60,6 +60,8 @@ def test_keys_and_round_trip(tmp_path: Path) -> None:
         "train_time_s",
         "data_wait_share",
         "warmup_time_s",
+        "valid_time_s",
+        "epoch_end_time_s",
     ]
     results.write(tmp_path / "results.json")
     assert RunResults.read(tmp_path / "results.json") == results
@@ -72,6 +74,20 @@ def test_older_files_missing_keys_take_defaults_and_unknown_keys_are_ignored() -
     assert old.precision == "fp32" and old.world_size == 1 and old.test_metrics == {}
     assert old.completed_epochs == 3  # older files recorded only the planned epochs
     assert old.throughput == Throughput()
+
+
+def test_the_time_split_says_where_the_wall_time_went() -> None:
+    results = RunResults(
+        throughput=Throughput(train_time_s=60.0, valid_time_s=20.0, epoch_end_time_s=10.0),
+        wall_time_s=100.0,
+    )
+    assert results.time_split() == (
+        "wall time 100.0 s: training 60.0 s (60 %), validation 20.0 s (20 %), epoch ends "
+        "(metrics, logs, checkpoints) 10.0 s (10 %), the rest (start-up, test) 10.0 s (10 %)"
+    )
+    # a run from before the split was recorded says nothing rather than 0 s of validation
+    old = RunResults(throughput=Throughput(train_time_s=60.0), wall_time_s=100.0)
+    assert old.time_split() is None
 
 
 def test_a_file_that_is_not_an_object_is_refused() -> None:
