@@ -255,7 +255,6 @@ class Brain:
         self._epoch_trained_before = (0, 0.0)  # utterances and audio when the epoch started
         # (loader, epoch, its batches) started before the last epoch's validation
         self._next_epoch: tuple[DataLoader, int, EpochBatches] | None = None
-        self._stream_validation = False  # fit's validations stream (_streams_validation)
         self._resume_step = 0  # training batches already done in the interrupted epoch
         self._resume_grads: dict[str, Any] | None = None  # its unfinished window's gradients
         self._epoch_plan: str | None = None  # the training epoch's batch plan (its digest)
@@ -862,12 +861,10 @@ class Brain:
         if valid_set is not None and not isinstance(valid_set, DataLoader):
             valid_set = self.make_dataloader(valid_set, Stage.VALID, **(valid_loader_kwargs or {}))
             made.append(valid_set)
-        self._stream_validation = self._streams_validation(valid_set)
         try:
             self._fit(epoch_counter, train_set, valid_set, progressbar)
         finally:
             self._next_epoch = None  # an epoch started for a fit that ended: dropped
-            self._stream_validation = False
             for loader in made:
                 shut_down_workers(loader)
 
@@ -928,7 +925,7 @@ class Brain:
                 if last_debug_epoch:
                     break
 
-    def _streams_validation(self, valid_set: DataLoader | None) -> bool:
+    def _streams_validation(self, valid_set: DataLoader) -> bool:
         """Whether ``fit`` runs its validations as one iteration of the validation loader
         (``amp_utils.loaders.start_epoch``), its workers loading the next validation's first
         batches while the epoch trains. Only where that gives every validation the batches
@@ -939,8 +936,7 @@ class Brain:
         its first batches are drawn during the validation before.
         """
         return (
-            valid_set is not None
-            and bool(self.run_opts.prefetch_next_epoch)
+            bool(self.run_opts.prefetch_next_epoch)
             and streams_epochs(valid_set)
             and getattr(valid_set.batch_sampler, "shuffle", True) is False
         )
@@ -1198,7 +1194,7 @@ class Brain:
         validating = stage == Stage.VALID and epoch is not None
         batches: Iterable[Any] = loader
         total = None  # tqdm's: len(loader)
-        if validating and self._stream_validation:
+        if validating and self._streams_validation(loader):
             # its validations stream as the training loader's epochs do: the next one's
             # first batches load during training, instead of a restart here every epoch
             batches, total = start_epoch(loader, epoch, last_epoch=self._last_epoch())

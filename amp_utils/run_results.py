@@ -136,8 +136,8 @@ class RunResults:
         if wall is None or wall <= 0 or None in (speed.train_time_s, speed.valid_time_s):
             return None
         parts = {
-            "training": float(speed.train_time_s or 0.0),
-            "validation": float(speed.valid_time_s or 0.0),
+            "training": float(speed.train_time_s),
+            "validation": float(speed.valid_time_s),
             "epoch ends (metrics, logs, checkpoints)": float(speed.epoch_end_time_s or 0.0),
         }
         parts["the rest (start-up, test)"] = max(wall - sum(parts.values()), 0.0)
