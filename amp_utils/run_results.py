@@ -85,7 +85,8 @@ class RunResults:
     Metrics are in percent for CER, WER and accuracy. ``valid_metrics`` are those of the
     weights the test used, not of the last epoch: the tested checkpoint's, or the average
     of checkpoints it tested (``valid_metrics_of``: ``tested_checkpoint`` or
-    ``averaged_checkpoints``).
+    ``averaged_checkpoints``), scored as the test scores them (ASR: decoded with
+    ``model.decoder``, whatever ``model.valid_decoder`` the epochs validated with).
     """
 
     precision: str | None = None  # as used (precision=auto resolved)

@@ -195,6 +195,12 @@ class AudioBrain(Brain):
         """``min_key=``/``max_key=`` that picks the best checkpoint by the recipe's metric."""
         return {"min_key" if cls.metric_mode == "min" else "max_key": cls.metric_key}
 
+    def validates_like_test(self) -> bool:
+        """Whether the per-epoch validations score as the test does (ASR: whether
+        ``model.valid_decoder`` is ``model.decoder``). When not, the run's recorded
+        validation figures are the tested weights' rescored as the test scores them."""
+        return True
+
     def num_averaged(self) -> int:
         """How many checkpoints the test averages (``trainer.average_checkpoints``)."""
         return max(int(getattr(self.hparams, "average_checkpoints", 1) or 1), 1)

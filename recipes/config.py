@@ -471,6 +471,7 @@ def validate_config(cfg: DictConfig) -> None:
     _choice(cfg, "data.features.pad_mode", PAD_MODES)
     if OmegaConf.select(cfg, "model.decoder") is not None:
         _choice(cfg, "model.decoder", DECODERS)
+        _choice(cfg, "model.valid_decoder", DECODERS)
         _positive(cfg, "model.beam_size", integer=True)
     _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
     _choice(cfg, "trainer.compile_backend", COMPILE_BACKENDS)

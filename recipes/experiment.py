@@ -350,11 +350,14 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         tested = brain.tested_checkpoint()
         valid_metrics = tested["valid_metrics"] if tested else {}
         valid_metrics_of = "tested_checkpoint"
-        if tested and tested["averaged_checkpoints"]:
-            # The test used an average of checkpoints: the run's validation figures (and a
-            # sweeper's objective) are the average's, not the best single checkpoint's.
+        if tested and (tested["averaged_checkpoints"] or not brain.validates_like_test()):
+            # The run's validation figures (and a sweeper's objective) are the tested
+            # weights' scored as the test scores them: an average of checkpoints' (no single
+            # checkpoint holds them), and with the test's decoder where the epochs validated
+            # with another (model.valid_decoder).
             valid_metrics = brain.score_loaded_weights(data.valid)
-            valid_metrics_of = "averaged_checkpoints"
+            if tested["averaged_checkpoints"]:
+                valid_metrics_of = "averaged_checkpoints"
         stats = brain.global_train_stats()
         results = RunResults(
             precision=brain.amp.name,  # as used (precision=auto resolved)

@@ -102,7 +102,10 @@ def preflight(cfg: DictConfig) -> None:
     """Everything that can refuse a command before any work: keys, values, device, precision,
     and the direction of a sweeper that tunes the run."""
     validate_config(cfg)
-    if OmegaConf.select(cfg, "model.decoder") == "lexicon":
+    if "lexicon" in (
+        OmegaConf.select(cfg, "model.decoder"),
+        OmegaConf.select(cfg, "model.valid_decoder"),
+    ):
         check_lexicon_decoder_available()
     if OmegaConf.select(cfg, "data.synthetic_voices", default=0):
         check_synthesizers(draw_voices(cfg.data.synthetic_voices))

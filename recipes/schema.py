@@ -127,6 +127,7 @@ class ConformerConfig(ModelConfig):
     subsampling: int = MISSING  # time reduction of the conv front end
     decoder: str = MISSING  # greedy (best path) | lexicon (beam search over training words)
     beam_size: int = MISSING  # hypotheses kept per frame by the lexicon decoder
+    valid_decoder: str = MISSING  # decoder of the per-epoch validations: greedy | lexicon
     average_checkpoints: int = 1  # default trainer.average_checkpoints for this model
     cut_end_prob: float = 0.0  # default data.wave_augment.cut_end_prob on single digits
     feature_normalize: str = "per_bin"  # default data.features.normalize on single digits

@@ -35,14 +35,23 @@ class RunLabels:
     Attributes:
         speakers: the run's speaker names (the classes of speaker ID).
         words: the training transcripts' words (the lexicon of ASR's lexicon decoder).
-        decoder: ASR's ``model.decoder`` (``greedy`` | ``lexicon``).
+        decoder: ASR's ``model.decoder`` (``greedy`` | ``lexicon``): the test's, inference's
+            and the tested weights' validation figures'.
         beam_size: ASR's ``model.beam_size`` for the lexicon decoder.
+        valid_decoder: ASR's ``model.valid_decoder``, the decoder of the per-epoch
+            validations (``None``: ``decoder``, as runs from before the option validated).
     """
 
     speakers: tuple[str, ...]
     words: tuple[str, ...] = field(default=())
     decoder: str = LEGACY_DECODER
     beam_size: int = LEGACY_BEAM_SIZE
+    valid_decoder: str | None = None
+
+    @property
+    def epoch_decoder(self) -> str:
+        """The decoder of the per-epoch validations (``valid_decoder``, else ``decoder``)."""
+        return self.valid_decoder or self.decoder
 
     @classmethod
     def from_config(
@@ -50,15 +59,18 @@ class RunLabels:
     ) -> RunLabels:
         """The labels of a run with config ``cfg``: its decoder settings, else the legacy ones.
 
-        The one place that reads ``model.decoder``/``model.beam_size``: training, inference
-        and ``evaluate.py`` decode alike, and an old run's config (without them) keeps the
-        greedy decoding it was tested with.
+        The one place that reads ``model.decoder``/``model.beam_size``/``model.valid_decoder``:
+        training, inference and ``evaluate.py`` decode alike, an old run's config (without
+        them) keeps the greedy decoding it was tested with, and one from before
+        ``valid_decoder`` validated its epochs with ``decoder``.
         """
+        valid_decoder = OmegaConf.select(cfg, "model.valid_decoder", default=None)
         return cls(
             speakers=tuple(speakers),
             words=tuple(words),
             decoder=str(OmegaConf.select(cfg, "model.decoder", default=LEGACY_DECODER)),
             beam_size=int(OmegaConf.select(cfg, "model.beam_size", default=LEGACY_BEAM_SIZE)),
+            valid_decoder=None if valid_decoder is None else str(valid_decoder),
         )
 
 

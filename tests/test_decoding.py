@@ -16,6 +16,7 @@ from recipes.asr.decoding import (
     make_decoder,
 )
 from recipes.config import ConfigError, validate_config
+from recipes.preflight import preflight
 from tests.recipe_helpers import compose_config
 
 TOKENIZER = CharTokenizer()
@@ -120,3 +121,17 @@ def test_config_refuses_an_unknown_decoder_naming_the_choices() -> None:
         validate_config(cfg)
     with pytest.raises(ConfigError, match="model.beam_size"):
         validate_config(compose_config(["model.beam_size=0"]))
+    with pytest.raises(ConfigError, match="model.valid_decoder='beam'.*greedy, lexicon"):
+        validate_config(compose_config(["model.valid_decoder=beam"]))
+
+
+@pytest.mark.parametrize(
+    "decoders", [["model.decoder=lexicon"], ["model.decoder=greedy", "model.valid_decoder=lexicon"]]
+)
+def test_preflight_refuses_a_lexicon_decoder_it_cannot_run(monkeypatch, decoders) -> None:
+    """Either decoder (the test's or the epochs' validations') needs flashlight-text: a run
+    must not train for an hour and then fail at its first validation or its test."""
+    monkeypatch.setitem(sys.modules, "flashlight.lib.text", None)  # import fails
+    with pytest.raises(DecoderUnavailableError, match="pip install flashlight-text"):
+        preflight(compose_config(decoders))
+    preflight(compose_config(["model.decoder=greedy", "model.valid_decoder=greedy"]))

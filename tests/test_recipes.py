@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchaudio
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from amp_utils import Checkpointer
+from amp_utils import Checkpointer, Stage
 from amp_utils.checkpoint import read_state
 from amp_utils.run_results import RunResults
 from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_FILE
@@ -25,6 +26,7 @@ from data.connected_digits import read_plan
 from data.fsdd import prepare_fsdd_digits
 from data.text import DIGIT_WORDS, CharTokenizer
 from recipes import experiment
+from recipes.asr.brain import ASRBrain
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError, validate_config
 from recipes.data_setup import build_data
@@ -167,6 +169,54 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert any(t.startswith("hparam/") for t in found["scalars"]) or (
         "_hparams_/session_start_info" in found["tensors"]
     )
+
+
+def test_epochs_validate_greedily_and_the_run_records_the_test_decoders_validation(
+    tmp_path, fsdd_root, prepared_digits, monkeypatch
+):
+    """``model.valid_decoder=greedy`` (the default): each epoch's validation decodes the
+    best path (the checkpoints' CER), the test decodes with ``model.decoder=lexicon``, and
+    the run's recorded validation figures (a sweeper's objective) are the tested weights'
+    decoded as the test decodes. One tested checkpoint here, so no average rescores them.
+
+    Every evaluated frame is planted to score "z" highest and "e", "r", "o" next, so the
+    best path reads "z" and the lexicon search "zero" for every utterance."""
+    tokenizer = CharTokenizer()
+    planted_scores = torch.full((tokenizer.vocab_size,), -10.0)
+    planted_scores[tokenizer.encode("z")[0]] = 10.0
+    planted_scores[tokenizer.encode("ero")] = 5.0
+    refs: dict[Stage, list[str]] = {Stage.VALID: [], Stage.TEST: []}
+    compute_objectives = ASRBrain.compute_objectives
+
+    def planted(self, predictions, batch, stage):
+        if stage != Stage.TRAIN:
+            logits, out_lens = predictions
+            predictions = (planted_scores.to(logits).expand_as(logits).clone(), out_lens)
+            refs[stage] += batch.transcripts
+        return compute_objectives(self, predictions, batch, stage)
+
+    monkeypatch.setattr(ASRBrain, "compute_objectives", planted)
+    cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.average_checkpoints=1")
+    assert (cfg.model.decoder, cfg.model.valid_decoder) == ("lexicon", "greedy")
+    saved = train(cfg)
+
+    def cer(said: str, references: list[str]) -> float:
+        edits = sum(torchaudio.functional.edit_distance(r, said) for r in references)
+        return 100.0 * edits / sum(map(len, references))
+
+    epochs = saved["epochs_completed"]
+    valid = refs[Stage.VALID][: len(refs[Stage.VALID]) // epochs]  # one epoch's
+    assert refs[Stage.VALID] == valid * epochs and cer("z", valid) != cer("zero", valid)
+    ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
+    assert ckpts and all(c.meta["CER"] == pytest.approx(cer("z", valid)) for c in ckpts)
+    tested = saved["tested_checkpoint"]
+    assert tested["averaged_checkpoints"] == [] and saved["valid_metrics_of"] == "tested_checkpoint"
+    assert tested["valid_metrics"]["CER"] == pytest.approx(cer("z", valid))
+    assert saved["valid_metrics"]["CER"] == pytest.approx(cer("zero", valid))
+    # The test, then the tested weights' validation: both with the lexicon search.
+    test = refs[Stage.TEST][: len(refs[Stage.TEST]) - len(valid)]
+    assert refs[Stage.TEST][len(test) :] == valid
+    assert saved["test_metrics"]["CER"] == pytest.approx(cer("zero", test))
 
 
 def test_tensorboard_records_the_batch_budget_the_sampler_used(

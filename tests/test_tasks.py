@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from amp_utils import Stage
 from data.text import CharTokenizer
 from recipes.asr.brain import ASRBrain
 from recipes.asr.decoding import LexiconDecoder
@@ -59,9 +60,33 @@ def test_run_labels_read_the_decoder_from_the_config_and_keep_greedy_for_old_run
     # The ASR Brain decodes with the labels it is given; without any, greedily.
     brain = ASRBrain.__new__(ASRBrain)
     brain.hparams = type("H", (), {"labels": labels})()
-    assert isinstance(brain.decode, LexiconDecoder)
+    assert isinstance(brain.decoder_for(Stage.TEST), LexiconDecoder)
+    assert isinstance(brain.decoder_for(Stage.VALID), LexiconDecoder)  # no valid_decoder
     brain.hparams = type("H", (), {})()
-    assert not isinstance(brain.decode, LexiconDecoder)
+    assert not isinstance(brain.decoder_for(Stage.TEST), LexiconDecoder)
+
+
+def test_epoch_validations_decode_with_valid_decoder_and_the_test_with_decoder() -> None:
+    """``model.valid_decoder=greedy`` (the ASR models' default): the per-epoch validations
+    decode the best path, the test the lexicon search, as SpeechBrain's CTC recipes split
+    ``valid_search``/``test_search``. A config from before the option validates with
+    ``model.decoder``, as its run did."""
+    words = ("one", "two")
+    cfg = OmegaConf.create(
+        {"model": {"decoder": "lexicon", "beam_size": 7, "valid_decoder": "greedy"}}
+    )
+    labels = RunLabels.from_config(cfg, ["george"], words)
+    assert (labels.decoder, labels.valid_decoder, labels.epoch_decoder) == (
+        "lexicon",
+        "greedy",
+        "greedy",
+    )
+    brain = ASRBrain.__new__(ASRBrain)
+    brain.hparams = type("H", (), {"labels": labels})()
+    assert not isinstance(brain.decoder_for(Stage.VALID), LexiconDecoder)
+    assert isinstance(brain.decoder_for(Stage.TEST), LexiconDecoder)
+    before = OmegaConf.create({"model": {"decoder": "lexicon", "beam_size": 7}})
+    assert RunLabels.from_config(before, ["george"], words).epoch_decoder == "lexicon"
 
 
 class _Batch:
