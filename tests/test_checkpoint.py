@@ -288,6 +288,33 @@ def test_checkpoint_name_meta_and_payload_are_what_was_saved(tmp_path, monkeypat
     assert f"Saved checkpoint {saved.path}" in caplog.messages
 
 
+def test_a_save_hashes_its_bytes_as_written_and_never_reads_them_back(tmp_path, monkeypatch):
+    """Each epoch's save read its 28 MB state file back twice (for the checksum, then for
+    rotation's check): now the checksum is the bytes' as torch.save writes them, and the
+    file a process wrote is not re-hashed by its rotation. Loading still verifies."""
+    from amp_utils import checkpoint
+
+    reads = []
+    real_sha256 = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda path: reads.append(path) or real_sha256(path))
+    model = linear(1.0)
+    ckpt = Checkpointer(tmp_path, {"model": model})
+    for epoch in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(float(epoch))
+        saved = ckpt.save_and_keep_only(meta={"epoch": epoch}, num_to_keep=2)
+        state = saved.path / "state.pt"
+        assert saved.meta["state_sha256"] == hashlib.sha256(state.read_bytes()).hexdigest()
+    assert reads == []
+    assert [c.meta["epoch"] for c in ckpt.list_checkpoints(verify=False)] == [2, 3]
+    # Another process (a resume) verifies what it did not write, once per file version.
+    resumed = Checkpointer(tmp_path, {"model": linear(0.0)})
+    resumed.keep_only(num_to_keep=2)
+    resumed.keep_only(num_to_keep=2)
+    assert len(reads) == 2
+    assert resumed.recover_if_possible() is not None and len(reads) > 2  # loading hashes
+
+
 def test_mid_epoch_checkpoints_are_marked_and_left_out_of_the_best(tmp_path):
     ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
     ckpt.save_and_keep_only(meta={"CER": 5.0}, num_to_keep=5)
