@@ -16,10 +16,18 @@ loading one must not execute code from it.
 Under DDP only rank 0 writes and deletes checkpoints; every rank waits until they are on
 disk, and every rank can load them (the run folder must be on a shared filesystem when
 the ranks span several nodes).
+
+With ``background_writes`` (a single process), a save copies the state to host memory and
+returns; a writer thread serialises, hashes, writes, syncs and rotates it while training
+goes on, as Lightning's ``AsyncCheckpointIO`` does. Every other call of the Checkpointer
+(the next save, listing, loading) first waits for that write, and re-raises its error; a
+kill during it leaves the previous checkpoints, as a kill during a foreground save does.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import logging
@@ -29,7 +37,9 @@ import re
 import shutil
 import time
 import zipfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,7 +47,7 @@ from typing import Any, Protocol
 import torch
 
 from amp_utils.atomic import fsync_directory
-from amp_utils.distributed import ddp_barrier, is_main_process
+from amp_utils.distributed import ddp_barrier, distributed_info, is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +163,35 @@ def _all_finite(state: Any) -> bool:
     return True
 
 
+def _host_snapshot(value: Any) -> Any:
+    """A copy of a state dict that training cannot change any more: every tensor copied to
+    host memory, containers rebuilt, anything else deep-copied (a module state dict's
+    ``_metadata``, which loading reads, included)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        items = [(k, _host_snapshot(v)) for k, v in value.items()]
+        out: dict[Any, Any] = OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+        if hasattr(value, "_metadata"):
+            out._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, list | tuple):
+        return type(value)(_host_snapshot(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _after_pending_write(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` once the checkpoint being written in the background is on disk (the
+    Checkpointer's readers find, load and average what ``list_checkpoints`` lists)."""
+
+    @functools.wraps(method)
+    def waiting(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
+        self.wait()
+        return method(self, *args, **kwargs)
+
+    return waiting
+
+
 class Checkpointer:
     """Saves and restores a set of named recoverables (SpeechBrain-style API).
 
@@ -160,6 +199,10 @@ class Checkpointer:
         checkpoints_dir: folder that holds the ``CKPT+*`` folders; created if missing.
         recoverables: name -> object with ``state_dict``/``load_state_dict``.
         allow_partial_load: tolerate recoverables missing from a checkpoint.
+        background_writes: a save returns once the state is copied to host memory and a
+            writer thread puts it on disk (see the module's docstring); single process
+            only (under DDP saves stay in the foreground). ``wait()`` returns once it is
+            on disk.
     """
 
     def __init__(
@@ -167,8 +210,12 @@ class Checkpointer:
         checkpoints_dir: str | Path,
         recoverables: Mapping[str, Recoverable] | None = None,
         allow_partial_load: bool = False,
+        background_writes: bool = False,
     ) -> None:
         self.checkpoints_dir = Path(checkpoints_dir)
+        self.background_writes = background_writes
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: Future[Any] | None = None
         self.recoverables: dict[str, Recoverable] = {}
         self.optional: set[str] = set()  # recoverables a checkpoint may lack
         self.allow_partial_load = allow_partial_load
@@ -197,20 +244,74 @@ class Checkpointer:
             self.add_recoverable(name, obj)
 
     # ------------------------------------------------------------------ saving
+    def wait(self) -> None:
+        """Return once the checkpoint being written in the background, if any, is on disk.
+
+        Raises:
+            CheckpointError: that write failed (e.g. disk full); the checkpoints before it
+                are intact.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
     def save_checkpoint(
         self, meta: Mapping[str, Any] | None = None, end_of_epoch: bool = True
     ) -> Checkpoint | None:
         """Write a new checkpoint atomically and return it.
 
         Under DDP, rank 0 writes it and the other ranks get None; all ranks return once
-        it is on disk.
+        it is on disk. With ``background_writes`` it returns None once the state is
+        copied, and the writer thread puts it on disk.
 
         Raises:
             CheckpointError: if a floating-point tensor is not finite (a checkpoint never
                 holds NaN/Inf weights) or the folder cannot be written (e.g. disk full);
-                existing checkpoints are left untouched.
+                existing checkpoints are left untouched. A background write's error comes
+                from the Checkpointer's next call (``wait``).
         """
+        return self._save(meta, end_of_epoch, rotate=None)
+
+    def _save(
+        self,
+        meta: Mapping[str, Any] | None,
+        end_of_epoch: bool,
+        rotate: Callable[[], None] | None,
+    ) -> Checkpoint | None:
+        """Save, then ``rotate`` (delete what is not kept), in the foreground or the
+        background (``background_writes``, one process)."""
+        self.wait()
         state = {name: obj.state_dict() for name, obj in self.recoverables.items()}
+        if self.background_writes and distributed_info().world_size == 1:
+            state = _host_snapshot(state)  # training goes on changing the live tensors
+        self._check_finite(state)
+        if self.background_writes and distributed_info().world_size == 1:
+            meta = copy.deepcopy(dict(meta or {}))
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+            self._pending = self._writer.submit(
+                self._write_and_rotate, state, meta, end_of_epoch, rotate
+            )
+            return None
+        ckpt = self._write(state, meta, end_of_epoch) if is_main_process() else None
+        ddp_barrier()
+        if rotate is not None:
+            rotate()
+        return ckpt
+
+    def _write_and_rotate(
+        self,
+        state: dict[str, Any],
+        meta: Mapping[str, Any],
+        end_of_epoch: bool,
+        rotate: Callable[[], None] | None,
+    ) -> Checkpoint:
+        ckpt = self._write(state, meta, end_of_epoch)
+        if rotate is not None:
+            rotate()
+        return ckpt
+
+    def _check_finite(self, state: dict[str, Any]) -> None:
         for name in self.recoverables:
             if not _all_finite(state[name]):
                 raise CheckpointError(
@@ -218,9 +319,6 @@ class Checkpointer:
                     "(NaN/Inf). The previous checkpoints are kept; lower the learning rate "
                     "or use bf16 instead of fp16."
                 )
-        ckpt = self._write(state, meta, end_of_epoch) if is_main_process() else None
-        ddp_barrier()
-        return ckpt
 
     def _write(
         self, state: dict[str, Any], meta: Mapping[str, Any] | None, end_of_epoch: bool
@@ -291,16 +389,13 @@ class Checkpointer:
         candidates for deletion. Mid-epoch checkpoints older than an end-of-epoch one are
         deleted (see ``keep_only``).
         """
-        ckpt = self.save_checkpoint(meta=meta, end_of_epoch=end_of_epoch)
-        self.keep_only(
-            num_to_keep=num_to_keep,
-            min_keys=min_keys,
-            max_keys=max_keys,
-            predicate=predicate,
-            num_best=num_best,
-            num_last_epochs=num_last_epochs,
+        return self._save(
+            meta,
+            end_of_epoch,
+            rotate=functools.partial(
+                self._rotate, num_to_keep, min_keys, max_keys, predicate, num_best, num_last_epochs
+            ),
         )
-        return ckpt
 
     def keep_only(
         self,
@@ -319,6 +414,18 @@ class Checkpointer:
         ones), as SpeechBrain's end-of-epoch save removes the intra-epoch checkpoints.
         Under DDP rank 0 deletes; all ranks return once it is done.
         """
+        self.wait()
+        self._rotate(num_to_keep, min_keys, max_keys, predicate, num_best, num_last_epochs)
+
+    def _rotate(
+        self,
+        num_to_keep: int,
+        min_keys: Iterable[str] | None,
+        max_keys: Iterable[str] | None,
+        predicate: Callable[[Checkpoint], bool] | None,
+        num_best: int,
+        num_last_epochs: int,
+    ) -> None:
         if is_main_process():
             self._delete_all_but(
                 num_to_keep, min_keys, max_keys, predicate, num_best, num_last_epochs
@@ -337,7 +444,7 @@ class Checkpointer:
         # The places are given among verified checkpoints: a corrupt one (of the recorded
         # size, found by hashing) must not hold one a good checkpoint needs (the averaged
         # final epochs, the best); it goes with the others not kept.
-        listed = self.list_checkpoints(verify=False)
+        listed = self._list_checkpoints(verify=False)
         ckpts = [c for c in listed if self._intact(c)]
         superseded = _superseded_mid_epoch(ckpts)
         if predicate is not None:
@@ -359,8 +466,12 @@ class Checkpointer:
             shutil.rmtree(stale, ignore_errors=True)
 
     # ---------------------------------------------------------------- finding
+    @_after_pending_write
     def list_checkpoints(self, verify: bool = True) -> list[Checkpoint]:
         """All readable checkpoints, oldest first; corrupt ones are skipped with a warning."""
+        return self._list_checkpoints(verify)
+
+    def _list_checkpoints(self, verify: bool) -> list[Checkpoint]:
         if not self.checkpoints_dir.is_dir():
             return []
         found = []

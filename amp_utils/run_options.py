@@ -17,6 +17,9 @@ from amp_utils.distributed import BACKENDS
 
 logger = logging.getLogger(__name__)
 
+#: ``checkpoint_writes``: where a checkpoint is written (``Checkpointer.background_writes``).
+CHECKPOINT_WRITES = ("auto", "background", "foreground")
+
 
 @dataclass
 class RunOptions:
@@ -34,6 +37,7 @@ class RunOptions:
     ckpt_interval_steps: int = 0  # intra-epoch checkpoint every N optimizer steps (0: off)
     stall_warning_minutes: float = 10.0  # no batch for N minutes: warn with the stack (0: off)
     prefetch_next_epoch: bool = True  # load the next epoch's first batches before it starts
+    checkpoint_writes: str = "auto"  # auto (background on CUDA), background or foreground
     debug: bool = False  # run only a few batches and epochs
     debug_batches: int = 2  # batches per stage in debug mode
     debug_epochs: int = 2  # epochs in debug mode
@@ -99,6 +103,11 @@ class RunOptions:
             raise ValueError(
                 f"onednn_cache_capacity must be >= 0 (0: no cache) or None (oneDNN's own "
                 f"default), got {self.onednn_cache_capacity}."
+            )
+        if self.checkpoint_writes not in CHECKPOINT_WRITES:
+            raise ValueError(
+                f"checkpoint_writes must be one of {', '.join(CHECKPOINT_WRITES)}; "
+                f"got {self.checkpoint_writes!r}."
             )
         if self.distributed_backend not in BACKENDS:
             raise ValueError(

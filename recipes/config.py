@@ -29,6 +29,7 @@ from amp_utils.compile import CUDAGRAPH_MODES
 from amp_utils.distributed import BACKENDS
 from amp_utils.module_precision import apply_fp32_modules
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name, resolve_device
+from amp_utils.run_options import CHECKPOINT_WRITES
 from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
 from recipes.audio_brain import AVERAGE_FROM
@@ -467,6 +468,7 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
     _choice(cfg, "trainer.average_from", AVERAGE_FROM)
+    _choice(cfg, "trainer.checkpoint_writes", CHECKPOINT_WRITES)
     _choice(cfg, "data.features.normalize", NORMALIZATIONS)
     _choice(cfg, "data.features.pad_mode", PAD_MODES)
     if OmegaConf.select(cfg, "model.decoder") is not None:

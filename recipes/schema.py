@@ -257,6 +257,10 @@ class TrainerConfig:
     ckpt_interval_steps: int = MISSING
     stall_warning_minutes: float = MISSING
     prefetch_next_epoch: bool = MISSING
+    checkpoint_writes: str = field(
+        default="auto",
+        metadata={"help": "auto (background on CUDA) | background | foreground"},
+    )
     keep_checkpoints: int = MISSING
     average_checkpoints: int = field(
         default=1,

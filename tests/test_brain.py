@@ -1385,3 +1385,120 @@ def test_a_session_interrupted_in_its_first_epoch_keeps_its_start_up_apart(tmp_p
         else:  # every epoch trained was a session's first: rated over all of them
             assert rated.warmup_time_s == 0.0
             assert rated.train_utterances_per_s == pytest.approx(48 / stats["time_s"])
+
+
+class SavingRegression(RegressionBrain):
+    """Saves a checkpoint at each validation's end, as the recipes' Brains do; can fail
+    in the training of epoch ``fail_in_epoch``."""
+
+    fail_in_epoch: int | None = None
+
+    def on_stage_start(self, stage, epoch=None):
+        if stage == Stage.TRAIN and epoch == self.fail_in_epoch:
+            raise RuntimeError("a failure in the next epoch")
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        if stage == Stage.VALID:
+            self.checkpointer.save_and_keep_only(meta={"epoch": epoch}, num_to_keep=5)
+
+
+@pytest.mark.parametrize(
+    ("writes", "device_type", "background"),
+    [("auto", "cpu", False), ("background", "cpu", True), ("foreground", "cpu", False)],
+)
+def test_checkpoint_writes_option_picks_where_checkpoints_are_written(
+    tmp_path, writes, device_type, background
+):
+    """``auto`` writes in the background on CUDA only (on a CPU the writer thread would
+    take the cores that train); the CUDA branch is a GPU test below."""
+    brain = RegressionBrain(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(checkpoint_writes=writes),
+        checkpointer=Checkpointer(tmp_path),
+    )
+    assert brain.device.type == device_type
+    assert brain.checkpointer.background_writes is background
+
+
+@pytest.mark.gpu
+def test_on_cuda_checkpoints_are_written_in_the_background_by_default(tmp_path):
+    brain = RegressionBrain(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(device="cuda"),
+        checkpointer=Checkpointer(tmp_path),
+    )
+    assert brain.checkpointer.background_writes is True
+    loader = DataLoader(make_data(16), batch_size=8)
+    brain.fit(range(1, 3), loader, loader)
+    assert brain.checkpointer.save_checkpoint(meta={"epoch": 2}) is None  # being written
+    (saved,) = brain.checkpointer.list_checkpoints()  # waits for it
+    assert saved.meta["epoch"] == 2
+
+
+def test_an_unknown_checkpoint_writes_value_names_the_choices():
+    with pytest.raises(ValueError, match="checkpoint_writes must be one of auto, background"):
+        RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts(checkpoint_writes="x"))
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_fit_returns_or_raises_only_once_its_last_checkpoint_is_on_disk(
+    tmp_path, monkeypatch, fails
+):
+    """With background writes ``fit`` may not end while the writer thread still writes:
+    the test that follows loads the checkpoints, and a process that exits (its error
+    raised) must leave the epoch it finished on disk."""
+    import threading
+    import time
+
+    from amp_utils import checkpoint
+
+    write, writing = checkpoint.Checkpointer._write, threading.Event()
+
+    def slow_write(self, *args, **kwargs):
+        writing.set()
+        time.sleep(0.3)
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "_write", slow_write)
+    brain = SavingRegression(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(checkpoint_writes="background"),
+        checkpointer=Checkpointer(tmp_path),
+    )
+    brain.fail_in_epoch = 3 if fails else None
+    loader = DataLoader(make_data(16), batch_size=8)
+    if fails:
+        with pytest.raises(RuntimeError, match="a failure in the next epoch"):
+            brain.fit(range(1, 4), loader, loader)
+    else:
+        brain.fit(range(1, 3), loader, loader)
+    assert writing.is_set()
+    epochs = [c.meta["epoch"] for c in Checkpointer(tmp_path).list_checkpoints()]
+    assert epochs == [1, 2]
+
+
+def test_a_failed_background_write_while_fit_fails_is_logged_not_swapped_in(
+    tmp_path, monkeypatch, caplog
+):
+    """The error that ended ``fit`` is the one raised; the lost checkpoint is logged."""
+    from amp_utils import checkpoint
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    brain = SavingRegression(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(checkpoint_writes="background"),
+        checkpointer=Checkpointer(tmp_path),
+    )
+    brain.fail_in_epoch = 2
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    loader = DataLoader(make_data(16), batch_size=8)
+    with pytest.raises(RuntimeError, match="a failure in the next epoch"):
+        brain.fit(range(1, 3), loader, loader)
+    assert "The last checkpoint could not be written" in caplog.text
+    assert "No space left on device" in caplog.text

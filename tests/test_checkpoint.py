@@ -617,3 +617,86 @@ def test_average_is_taken_in_float64_and_keeps_the_dtype():
     assert averaged["w"].dtype == torch.float16
     assert torch.equal(averaged["w"], big)
     assert averaged["n"] is states[0]["n"]
+
+
+class _HeldWrites:
+    """Holds the background writer before it writes, until ``release()``."""
+
+    def __init__(self, monkeypatch) -> None:
+        import threading
+
+        from amp_utils import checkpoint
+
+        self.go = threading.Event()
+        self.started = threading.Event()
+        write = checkpoint.Checkpointer._write
+
+        def held(ckpt, *args, **kwargs):
+            self.started.set()
+            assert self.go.wait(10), "the test never released the writer"
+            return write(ckpt, *args, **kwargs)
+
+        monkeypatch.setattr(checkpoint.Checkpointer, "_write", held)
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def test_a_background_write_holds_the_state_of_the_moment_of_the_save(tmp_path, monkeypatch):
+    """The loop goes on changing its tensors in place while the writer thread writes: the
+    checkpoint must hold them as they were when ``save`` returned, and a BatchNorm's state
+    dict keeps the version metadata that loading reads."""
+    held = _HeldWrites(monkeypatch)
+    model = torch.nn.Sequential(linear(1.0), torch.nn.BatchNorm1d(2))
+    ckpt = Checkpointer(tmp_path, {"model": model}, background_writes=True)
+    assert ckpt.save_and_keep_only(meta={"epoch": 1}) is None  # returns before it is written
+    assert held.started.wait(10)
+    with torch.no_grad():
+        model[0].weight.fill_(5.0)  # the next steps, while the writer is held
+    assert not list(tmp_path.glob("CKPT+*"))
+    held.release()
+    ckpt.wait()
+    (saved,) = Checkpointer(tmp_path).list_checkpoints()
+    state = read_state(saved.path / "state.pt")["state"]["model"]
+    assert torch.equal(state["0.weight"], torch.ones(2, 2))
+    assert state._metadata[""]["version"] == model.state_dict()._metadata[""]["version"]
+    assert state._metadata["1"] == model.state_dict()._metadata["1"]
+    assert saved.meta["epoch"] == 1
+
+
+def test_reading_the_checkpoints_waits_for_the_background_write(tmp_path, monkeypatch):
+    """Listing, finding and loading see a save that ``save`` already returned from."""
+    import threading
+
+    held = _HeldWrites(monkeypatch)
+    model = linear(1.0)
+    ckpt = Checkpointer(tmp_path, {"model": model}, background_writes=True)
+    for epoch in (1, 2, 3):
+        ckpt.save_and_keep_only(
+            meta={"epoch": epoch, "CER": float(epoch)}, num_to_keep=1, min_keys=["CER"]
+        )
+        if epoch == 1:
+            assert held.started.wait(10)
+            threading.Timer(0.2, held.release).start()
+    # rotation ran after each write: the newest and the best (epoch 1) are left
+    assert [c.meta["epoch"] for c in ckpt.list_checkpoints()] == [1, 3]
+    assert ckpt.find_checkpoint(min_key="CER").meta["epoch"] == 1
+    ckpt.save_checkpoint(meta={"epoch": 4})
+    assert ckpt.recover_if_possible().meta["epoch"] == 4
+
+
+def test_a_failed_background_write_is_raised_by_the_next_call(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)}, background_writes=True)
+    ckpt.save_checkpoint(meta={"epoch": 1})
+    ckpt.wait()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    assert ckpt.save_and_keep_only(meta={"epoch": 2}) is None
+    with pytest.raises(CheckpointError, match="No space left.*Earlier checkpoints are intact"):
+        ckpt.list_checkpoints()
+    ckpt.wait()  # raised once
+    assert [c.meta["epoch"] for c in ckpt.list_checkpoints()] == [1]
+    assert not list(tmp_path.glob(".tmp-*"))

@@ -126,7 +126,9 @@ def write_subset(prepared: Path, out: Path) -> dict[str, Path]:
     return manifests
 
 
-def command(scenario: Scenario, manifests: dict[str, Path], run_dir: Path) -> list[str]:
+def command(
+    scenario: Scenario, manifests: dict[str, Path], run_dir: Path, *extra: str
+) -> list[str]:
     """The training command; every attempt of a run uses exactly this one."""
     args = [
         "device=cpu",  # default loader workers, as users run it
@@ -138,6 +140,7 @@ def command(scenario: Scenario, manifests: dict[str, Path], run_dir: Path) -> li
         *MANIFEST_8K,
         *(f"data.{split}={path}" for split, path in manifests.items()),
         *scenario.args,
+        *extra,
         f"hydra.run.dir={run_dir}",
     ]
     assert not any("num_workers" in arg for arg in args)
@@ -223,11 +226,13 @@ def kill_during(proc: subprocess.Popen, run_dir: Path, epoch: int, seen: int, de
     assert not still_running(workers), "DataLoader workers outlived the killed run"
 
 
-def run_with_kills(scenario: Scenario, manifests: dict[str, Path], run_dir: Path, env) -> str:
+def run_with_kills(
+    scenario: Scenario, manifests: dict[str, Path], run_dir: Path, env, *extra: str
+) -> str:
     """Kill the run as the scenario says, then let it finish; returns the whole log."""
     for epoch, seen, delay in scenario.kills:
         proc = subprocess.Popen(
-            command(scenario, manifests, run_dir),
+            command(scenario, manifests, run_dir, *extra),
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -240,7 +245,7 @@ def run_with_kills(scenario: Scenario, manifests: dict[str, Path], run_dir: Path
         assert [c.path for c in readable] == folders
         for found in readable:
             read_state(found.path / "state.pt")
-    result = run_command(command(scenario, manifests, run_dir), env)
+    result = run_command(command(scenario, manifests, run_dir, *extra), env)
     assert result.returncode == 0, result.stderr[-3000:]
     return (run_dir / "train.log").read_text()
 
@@ -276,14 +281,17 @@ def assert_same_state(expected: dict, got: dict, precision: str) -> None:
     assert got["scaler"] == expected["scaler"]
 
 
-def kill_resume_check(scenario: Scenario, tmp_path: Path, prepared: Path) -> None:
-    """The killed-and-resumed run ends exactly where the uninterrupted one does."""
+def kill_resume_check(
+    scenario: Scenario, tmp_path: Path, prepared: Path, *killed_extra: str
+) -> None:
+    """The killed-and-resumed run (``killed_extra``: its own further overrides) ends
+    exactly where the uninterrupted one does."""
     manifests = write_subset(prepared, tmp_path)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     result = run_command(command(scenario, manifests, reference), env)
     assert result.returncode == 0, result.stderr[-3000:]
-    log = run_with_kills(scenario, manifests, killed, env)
+    log = run_with_kills(scenario, manifests, killed, env, *killed_extra)
     resumes = [(int(step), int(batches)) for step, batches in RESUMED.findall(log)]
     assert len(resumes) == len(scenario.kills), log[-3000:]
     assert any(batches > 0 for _, batches in resumes), f"no mid-epoch resume: {resumes}"
@@ -317,6 +325,19 @@ FAST_SCENARIO = draw(SEED, kills=2)
 @pytest.mark.parametrize("scenario", [FAST_SCENARIO], ids=[FAST_SCENARIO.name])
 def test_killed_run_resumes_to_the_uninterrupted_result(scenario, tmp_path, prepared):
     kill_resume_check(scenario, tmp_path, prepared)
+
+
+BACKGROUND_SCENARIO = draw(SEED + 1000, kills=2)
+
+
+@pytest.mark.parametrize("scenario", [BACKGROUND_SCENARIO], ids=[BACKGROUND_SCENARIO.name])
+def test_a_killed_run_writing_checkpoints_in_the_background_resumes_exactly(
+    scenario, tmp_path, prepared
+):
+    """``trainer.checkpoint_writes=background`` (CUDA's default): the writer thread puts
+    each checkpoint on disk while training goes on, and a kill may land in its write. The
+    killed run still ends where an uninterrupted foreground one does, bitwise."""
+    kill_resume_check(scenario, tmp_path, prepared, "trainer.checkpoint_writes=background")
 
 
 #: Every model under every precision, each model with both checkpoint triggers.
