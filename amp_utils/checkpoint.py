@@ -180,18 +180,6 @@ def _host_snapshot(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _after_pending_write(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``method`` once the checkpoint being written in the background is on disk (the
-    Checkpointer's readers find, load and average what ``list_checkpoints`` lists)."""
-
-    @functools.wraps(method)
-    def waiting(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
-        self.wait()
-        return method(self, *args, **kwargs)
-
-    return waiting
-
-
 class Checkpointer:
     """Saves and restores a set of named recoverables (SpeechBrain-style API).
 
@@ -466,9 +454,12 @@ class Checkpointer:
             shutil.rmtree(stale, ignore_errors=True)
 
     # ---------------------------------------------------------------- finding
-    @_after_pending_write
     def list_checkpoints(self, verify: bool = True) -> list[Checkpoint]:
-        """All readable checkpoints, oldest first; corrupt ones are skipped with a warning."""
+        """All readable checkpoints, oldest first; corrupt ones are skipped with a warning.
+
+        Waits for a checkpoint being written in the background: what the Checkpointer finds,
+        loads and averages comes from here."""
+        self.wait()
         return self._list_checkpoints(verify)
 
     def _list_checkpoints(self, verify: bool) -> list[Checkpoint]:

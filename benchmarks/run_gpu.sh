@@ -60,7 +60,11 @@
 # search alone takes ~0.24 s per validation of the 300 utterances on one core of a 2-core
 # Xeon, greedy decoding 0.01 s; since c5419ac the epochs validate greedily and only the
 # test searches (model.valid_decoder=greedy: 22.7 -> 15.0 s of validation per run on that
-# CPU, results identical), so valid_time_s should now be a small share), the graph tests
+# CPU, results identical), so valid_time_s should now be a small share; the epoch-end save,
+# ~0.1 s per epoch in the 2026-11-27 log (epoch line to "Saved checkpoint"), now hashes as it
+# writes (no read-back: 170 -> 132 ms per save on that CPU) and on CUDA runs in a writer
+# thread (trainer.checkpoint_writes=auto), so epoch_end_time_s should fall to the state's
+# copy to the host), the graph tests
 # the 160 s cut (GRAPH_TESTS_K="interrupted_run or ctc_on_device or fast_kernels"),
 # bench_m_graphs (fp32, TF32, bf16, fp16 with cuDNN's depthwise kernels: the 3.0x/1.6x/2.7x
 # targets), the accuracy sweep with low_precision_norms, bench_graphs_unfused.

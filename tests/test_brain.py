@@ -150,6 +150,11 @@ def test_fit_records_where_its_time_goes_besides_training():
         assert epoch["time/train_s"] >= 0.04 and epoch["time/valid_s"] >= 0.04
         assert epoch["time/epoch_end_s"] >= 0.15
     assert sum(e["time/valid_s"] for e in epochs) == pytest.approx(stats["valid_time_s"])
+    # Without validation each epoch still records its training time.
+    tensorboard.scalars.clear()
+    brain.fit(range(3, 5), data)
+    alone = [s for _, s in tensorboard.scalars if "time/train_s" in s]
+    assert len(alone) == 2 and all(e["time/train_s"] >= 0.04 for e in alone)
 
 
 def test_throughput_leaves_out_each_sessions_first_epoch():
