@@ -1267,7 +1267,8 @@ def test_scheduler_and_logger_are_arguments_and_hparams_keys_still_work(passed_a
     brain.fit(range(1), DataLoader(make_data(16), batch_size=4))
     assert brain.optimizer_step == 4 and brain.lr_scheduler.last_epoch == 4
     assert [step for step, s in tensorboard.scalars if "train/loss" in s] == [1, 2, 3, 4]
-    assert tensorboard.scalars[-1] == (4, {"epoch/data_wait_share": pytest.approx(0, abs=0.5)})
+    assert tensorboard.scalars[-2] == (4, {"epoch/data_wait_share": pytest.approx(0, abs=0.5)})
+    assert tensorboard.scalars[-1][0] == 4 and set(tensorboard.scalars[-1][1]) == {"time/train_s"}
     first = tensorboard.scalars[0][1]
     assert "train/grad_norm" in first
     # each step's point holds the rate that step used (it held the next step's)
