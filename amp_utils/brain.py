@@ -874,8 +874,6 @@ class Brain:
         except BaseException:
             self._wait_for_checkpoint_write(raise_error=False)  # on disk before it goes up
             raise
-        else:
-            self._wait_for_checkpoint_write(raise_error=True)
         finally:
             self._next_epoch = None  # an epoch started for a fit that ended: dropped
             for loader in made:
@@ -949,6 +947,9 @@ class Brain:
                 self._fit_valid(valid_set, epoch, enable)
                 if last_debug_epoch:
                     break
+            # The last checkpoint on disk before fit returns (the test loads it), while a
+            # signal is still held off.
+            self._wait_for_checkpoint_write(raise_error=True)
 
     def _streams_validation(self, valid_set: DataLoader) -> bool:
         """Whether ``fit`` runs its validations as one iteration of the validation loader
@@ -1191,6 +1192,7 @@ class Brain:
         self._resume_step = self._trained_batches
         try:
             self._save_intra_epoch_ckpt()
+            self._wait_for_checkpoint_write(raise_error=True)  # "saved" must be true
         finally:
             self._resume_step = 0
         raise interrupted_error(self.stop_signals.received, epoch, self._trained_batches)
@@ -1314,6 +1316,8 @@ class Brain:
         if decision.save:
             self._save_intra_epoch_ckpt()
         if decision.stop:
+            # On disk before the message says so, and while a second signal is held off.
+            self._wait_for_checkpoint_write(raise_error=True)
             epoch = getattr(self._epoch_counter, "current", "?")
             raise interrupted_error(self.stop_signals.received, epoch, self.step)
 

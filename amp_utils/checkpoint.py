@@ -19,9 +19,11 @@ the ranks span several nodes).
 
 With ``background_writes`` (a single process), a save copies the state to host memory and
 returns; a writer thread serialises, hashes, writes, syncs and rotates it while training
-goes on, as Lightning's ``AsyncCheckpointIO`` does. Every other call of the Checkpointer
-(the next save, listing, loading) first waits for that write, and re-raises its error; a
-kill during it leaves the previous checkpoints, as a kill during a foreground save does.
+goes on, as Lightning's ``AsyncCheckpointIO`` does. The next save, ``keep_only`` and
+``list_checkpoints`` (through which the Checkpointer finds what it loads and averages)
+first wait for that write, and re-raise its error; a kill during it leaves the previous
+checkpoints, as a kill during a foreground save does. The copy does not keep tensors that
+shared storage shared (tied weights are written twice; they load the same).
 """
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     if task_for(cfg.model).needs_tokenizer:  # runs from before the lexicon decoder
         cfg.model.setdefault("decoder", LEGACY_DECODER)  # were tested with best-path decoding
         cfg.model.setdefault("beam_size", LEGACY_BEAM_SIZE)
+        cfg.model.setdefault("valid_decoder", cfg.model.decoder)  # validated with it too
     cfg.trainer.setdefault("average_from", LEGACY_AVERAGE_FROM)  # runs from before the option
+    cfg.trainer.setdefault("checkpoint_writes", "auto")  # no bearing on a re-test
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:

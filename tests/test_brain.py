@@ -851,6 +851,37 @@ def test_sigterm_saves_checkpoint_and_exits_with_resume_hint(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+@pytest.mark.parametrize("writes", ["foreground", "background"])
+@pytest.mark.parametrize("stage", [Stage.TRAIN, Stage.VALID])
+def test_a_sigterm_save_that_fails_says_so_instead_of_saved(tmp_path, monkeypatch, writes, stage):
+    """A full disk at the signal's save: the run must not exit saying it saved a
+    checkpoint, whether the save ran in the loop or in the writer thread, in training or
+    in validation."""
+    from amp_utils import checkpoint
+
+    class Preempted(ShuffledRegression):
+        def compute_forward(self, batch, stage_now):
+            if stage_now == stage and self.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().compute_forward(batch, stage_now)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    brain = Preempted(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(checkpoint_writes=writes),
+        checkpointer=Checkpointer(tmp_path),
+    )
+    loader = DataLoader(make_data(32), batch_size=4)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        brain.fit(EpochCounter(2), loader, loader)
+    assert Checkpointer(tmp_path).list_checkpoints() == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def preempted_mid_accumulation(
     ckpt_dir, precision: str, signal_at=None, nan_at=None, epochs=2, accumulation=3
 ) -> ShuffledRegression:

@@ -171,16 +171,10 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     )
 
 
-def test_epochs_validate_greedily_and_the_run_records_the_test_decoders_validation(
-    tmp_path, fsdd_root, prepared_digits, monkeypatch
-):
-    """``model.valid_decoder=greedy`` (the default): each epoch's validation decodes the
-    best path (the checkpoints' CER), the test decodes with ``model.decoder=lexicon``, and
-    the run's recorded validation figures (a sweeper's objective) are the tested weights'
-    decoded as the test decodes. One tested checkpoint here, so no average rescores them.
-
-    Every evaluated frame is planted to score "z" highest and "e", "r", "o" next, so the
-    best path reads "z" and the lexicon search "zero" for every utterance."""
+def plant_z_ero_evaluations(monkeypatch) -> dict[Stage, list[str]]:
+    """Make every validation and test frame score "z" highest and "e", "r", "o" next: the
+    best path reads "z", the lexicon search "zero". Returns the references each stage
+    scored, in order."""
     tokenizer = CharTokenizer()
     planted_scores = torch.full((tokenizer.vocab_size,), -10.0)
     planted_scores[tokenizer.encode("z")[0]] = 10.0
@@ -196,6 +190,20 @@ def test_epochs_validate_greedily_and_the_run_records_the_test_decoders_validati
         return compute_objectives(self, predictions, batch, stage)
 
     monkeypatch.setattr(ASRBrain, "compute_objectives", planted)
+    return refs
+
+
+def test_epochs_validate_greedily_and_the_run_records_the_test_decoders_validation(
+    tmp_path, fsdd_root, prepared_digits, monkeypatch
+):
+    """``model.valid_decoder=greedy`` (the default): each epoch's validation decodes the
+    best path (the checkpoints' CER), the test decodes with ``model.decoder=lexicon``, and
+    the run's recorded validation figures (a sweeper's objective) are the tested weights'
+    decoded as the test decodes. One tested checkpoint here, so no average rescores them.
+
+    Every evaluated frame is planted to score "z" highest and "e", "r", "o" next, so the
+    best path reads "z" and the lexicon search "zero" for every utterance."""
+    refs = plant_z_ero_evaluations(monkeypatch)
     cfg = fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.average_checkpoints=1")
     assert (cfg.model.decoder, cfg.model.valid_decoder) == ("lexicon", "greedy")
     saved = train(cfg)
@@ -217,6 +225,56 @@ def test_epochs_validate_greedily_and_the_run_records_the_test_decoders_validati
     test = refs[Stage.TEST][: len(refs[Stage.TEST]) - len(valid)]
     assert refs[Stage.TEST][len(test) :] == valid
     assert saved["test_metrics"]["CER"] == pytest.approx(cer("zero", test))
+
+
+def test_a_run_validated_with_the_lexicon_keeps_it_when_extended(
+    tmp_path, fsdd_root, prepared_digits, monkeypatch, caplog
+):
+    """A run started before ``model.valid_decoder`` existed validated its epochs with
+    ``model.decoder`` (lexicon), and its checkpoints record no ``valid_decoder``. Extended
+    by today's code (``trainer.epochs`` raised), it must go on scoring its epochs with the
+    lexicon: its checkpoints' CERs pick the best one and must compare."""
+    refs = plant_z_ero_evaluations(monkeypatch)
+    state_dict = ASRBrain.state_dict
+
+    def as_before(self):
+        return {k: v for k, v in state_dict(self).items() if k != "valid_decoder"}
+
+    checkpoints = "trainer.average_checkpoints=1"
+    first = fast_cfg(tmp_path, fsdd_root, prepared_digits, checkpoints, "trainer.epochs=1")
+    first.model.valid_decoder = "lexicon"  # how the code before validated
+    with monkeypatch.context() as old_code:
+        old_code.setattr(ASRBrain, "state_dict", as_before)
+        train(first)
+    caplog.set_level(logging.WARNING, logger="recipes.asr.brain")
+    extended = fast_cfg(tmp_path, fsdd_root, prepared_digits, checkpoints, "trainer.epochs=2")
+    assert extended.model.valid_decoder == "greedy"
+    train(extended)
+    ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
+    by_epoch = {c.meta["epoch"]: c.meta["CER"] for c in ckpts if c.end_of_epoch}
+    valid = refs[Stage.VALID][: len(refs[Stage.VALID]) // 2]
+    lexicon_cer = (
+        100.0
+        * sum(torchaudio.functional.edit_distance(r, "zero") for r in valid)
+        / sum(map(len, valid))
+    )
+    assert by_epoch == {1: pytest.approx(lexicon_cer), 2: pytest.approx(lexicon_cer)}
+    assert "validated with the lexicon decoder (model.valid_decoder=greedy now)" in caplog.text
+    # A run of today's code, extended the same way, goes on validating greedily.
+    caplog.clear()
+    refs[Stage.VALID].clear()
+    today = tmp_path / "today"
+    for epochs in (1, 2):
+        cfg = fast_cfg(today, fsdd_root, prepared_digits, checkpoints, f"trainer.epochs={epochs}")
+        train(cfg)
+    ckpts = Checkpointer(today / "run" / "checkpoints").list_checkpoints()
+    greedy_cer = (
+        100.0
+        * sum(torchaudio.functional.edit_distance(r, "z") for r in valid)
+        / sum(map(len, valid))
+    )
+    assert [c.meta["CER"] for c in ckpts if c.end_of_epoch] == pytest.approx([greedy_cer] * 2)
+    assert "validated with the" not in caplog.text
 
 
 def test_tensorboard_records_the_batch_budget_the_sampler_used(
@@ -724,6 +782,21 @@ def test_evaluate_recomputes_the_runs_test_and_writes_nothing_there(cli_run) -> 
     valid = evaluate_run(cli_run, split="valid")
     assert valid["metrics"] == pytest.approx(saved["valid_metrics"], rel=1e-6)
     assert snapshot(cli_run) == before
+
+
+def test_evaluate_re_tests_a_run_from_before_the_newest_options(cli_run, tmp_path) -> None:
+    """A run folder written before ``model.valid_decoder`` and ``trainer.checkpoint_writes``
+    existed (its saved config lacks them) is re-tested as it was, not refused."""
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    resolved = run / "config_resolved.yaml"
+    lines = resolved.read_text().splitlines(keepends=True)
+    old = [line for line in lines if not re.match(r"\s*(valid_decoder|checkpoint_writes):", line)]
+    assert len(old) == len(lines) - 2
+    resolved.write_text("".join(old))
+    saved = json.loads((run / "results.json").read_text())
+    result = evaluate_run(run)
+    assert result["metrics"] == pytest.approx(saved["test_metrics"], rel=1e-6)
 
 
 def test_evaluate_rescores_with_another_decoder(cli_run, fsdd_recordings, tmp_path) -> None:

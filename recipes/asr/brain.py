@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 import torchaudio
 
@@ -13,6 +16,8 @@ from recipes.asr.decoding import Decoder, make_decoder
 from recipes.asr.model import ctc_log_probs, ctc_loss
 from recipes.audio_brain import AudioBrain
 from recipes.task import RunLabels
+
+logger = logging.getLogger(__name__)
 
 
 class ASRBrain(AudioBrain):
@@ -62,16 +67,55 @@ class ASRBrain(AudioBrain):
         frames = unwrap_module(self.modules.features).frame_lengths(host.wav_lens)
         return unwrap_module(self.modules.model).output_lengths(frames), host.token_lens
 
+    @property
+    def labels(self) -> RunLabels:
+        """The run's ``RunLabels`` (``hparams.labels``; without them, greedy decoding)."""
+        return getattr(self.hparams, "labels", None) or RunLabels(speakers=())
+
+    @property
+    def epoch_decoder(self) -> str:
+        """The decoder of the per-epoch validations: ``model.valid_decoder``, unless the
+        run's checkpoints were validated with another (see ``load_state_dict``)."""
+        return getattr(self, "_checkpoints_decoder", None) or self.labels.epoch_decoder
+
     def decoder_for(self, stage: Stage) -> Decoder:
-        """The transcript decoder of ``stage``: ``model.valid_decoder`` for the per-epoch
+        """The transcript decoder of ``stage``: ``epoch_decoder`` for the per-epoch
         validations, ``model.decoder`` for the test (cached by ``make_decoder``)."""
-        labels: RunLabels = getattr(self.hparams, "labels", RunLabels(speakers=()))
-        name = labels.epoch_decoder if stage == Stage.VALID else labels.decoder
+        labels = self.labels
+        if stage == Stage.VALID and self.epoch_decoder != labels.epoch_decoder:
+            self._warn_checkpoints_decoder()
+        name = self.epoch_decoder if stage == Stage.VALID else labels.decoder
         return make_decoder(name, labels.words, labels.beam_size)
 
     def validates_like_test(self) -> bool:
-        labels: RunLabels = getattr(self.hparams, "labels", RunLabels(speakers=()))
-        return labels.epoch_decoder == labels.decoder
+        return self.epoch_decoder == self.labels.decoder
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's state, and the decoder its validations score with (their CERs rank
+        the checkpoints: a resumed run must go on scoring as its checkpoints were)."""
+        return {**super().state_dict(), "valid_decoder": self.epoch_decoder}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the loop, and keep validating with the decoder the checkpoints' CERs
+        come from: a run started before ``model.valid_decoder`` existed validated with
+        ``model.decoder``, and its resume or extension (``trainer.epochs`` raised) would
+        otherwise rank lexicon CERs against greedy ones when picking the best checkpoint."""
+        super().load_state_dict(state)
+        used = str(state.get("valid_decoder", self.labels.decoder))
+        self._checkpoints_decoder = used if used != self.labels.epoch_decoder else None
+
+    def _warn_checkpoints_decoder(self) -> None:
+        if getattr(self, "_warned_checkpoints_decoder", False):
+            return
+        self._warned_checkpoints_decoder = True
+        logger.warning(
+            "This run's checkpoints were validated with the %s decoder (model.valid_decoder=%s"
+            " now): its validations go on decoding with %s, so that their CERs, which pick "
+            "the best checkpoint, stay comparable.",
+            self.epoch_decoder,
+            self.labels.epoch_decoder,
+            self.epoch_decoder,
+        )
 
     def reset_metrics(self, stage: Stage) -> None:
         self.char_edits = self.char_total = self.word_edits = self.word_total = 0
