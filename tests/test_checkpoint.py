@@ -700,3 +700,19 @@ def test_a_failed_background_write_is_raised_by_the_next_call(tmp_path, monkeypa
     ckpt.wait()  # raised once
     assert [c.meta["epoch"] for c in ckpt.list_checkpoints()] == [1]
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_background_save_of_nonfinite_weights_is_refused_by_the_writer(tmp_path):
+    """The finiteness check runs in the writer thread: the refusal comes from the next
+    call, and nothing is written."""
+    model = linear(1.0)
+    ckpt = Checkpointer(tmp_path, {"model": model}, background_writes=True)
+    ckpt.save_checkpoint(meta={"epoch": 1})
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    assert ckpt.save_and_keep_only(meta={"epoch": 2}) is None
+    with torch.no_grad():
+        model.weight[0, 0] = 1.0  # the snapshot was taken at the save
+    with pytest.raises(CheckpointError, match="'model' holds non-finite values"):
+        ckpt.wait()
+    assert [c.meta["epoch"] for c in ckpt.list_checkpoints()] == [1]
