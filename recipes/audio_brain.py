@@ -175,6 +175,7 @@ class AudioBrain(Brain):
                     "epoch": epoch,
                     "optimizer_step": self.optimizer_step,
                     "valid_metrics": metrics,
+                    **self.checkpoint_meta(),
                 },
                 num_to_keep=self.hparams.keep_checkpoints,
                 num_best=self.num_averaged() if self.average_from() == "best" else 1,
@@ -194,6 +195,11 @@ class AudioBrain(Brain):
     def best_checkpoint_key(cls) -> dict[str, str]:
         """``min_key=``/``max_key=`` that picks the best checkpoint by the recipe's metric."""
         return {"min_key" if cls.metric_mode == "min" else "max_key": cls.metric_key}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What the recipe adds to each end-of-epoch checkpoint's meta (ASR: the decoder
+        its validation CER came from, ``valid_decoder``)."""
+        return {}
 
     def validates_like_test(self) -> bool:
         """Whether the per-epoch validations score as the test does (ASR: whether
@@ -275,6 +281,9 @@ class AudioBrain(Brain):
             "epoch": meta.get("epoch"),
             "optimizer_step": meta.get("optimizer_step"),
             "valid_metrics": valid,
+            # ASR: the decoder of valid_metrics above (greedy by default; the run's
+            # top-level valid_metrics are scored as the test scores). None: not recorded.
+            "valid_decoder": meta.get("valid_decoder"),
         }
 
 

@@ -217,7 +217,9 @@ def test_epochs_validate_greedily_and_the_run_records_the_test_decoders_validati
     assert refs[Stage.VALID] == valid * epochs and cer("z", valid) != cer("zero", valid)
     ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
     assert ckpts and all(c.meta["CER"] == pytest.approx(cer("z", valid)) for c in ckpts)
+    assert all(c.meta["valid_decoder"] == "greedy" for c in ckpts)
     tested = saved["tested_checkpoint"]
+    assert tested["valid_decoder"] == "greedy"  # what its valid_metrics were decoded with
     assert tested["averaged_checkpoints"] == [] and saved["valid_metrics_of"] == "tested_checkpoint"
     assert tested["valid_metrics"]["CER"] == pytest.approx(cer("z", valid))
     assert saved["valid_metrics"]["CER"] == pytest.approx(cer("zero", valid))

@@ -90,6 +90,9 @@ class ASRBrain(AudioBrain):
     def validates_like_test(self) -> bool:
         return self.epoch_decoder == self.labels.decoder
 
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {"valid_decoder": self.epoch_decoder}
+
     def state_dict(self) -> dict[str, Any]:
         """The loop's state, and the decoder its validations score with (their CERs rank
         the checkpoints: a resumed run must go on scoring as its checkpoints were)."""
