@@ -268,8 +268,8 @@ class Checkpointer:
         end_of_epoch: bool,
         rotate: Callable[[], None] | None,
     ) -> Checkpoint | None:
-        """Save, then ``rotate`` (delete what is not kept), in the foreground or the
-        background (``background_writes``, one process)."""
+        """Save, then ``rotate`` (delete what is not kept: rank 0, every rank waiting for
+        it), in the foreground or the background (``background_writes``, one process)."""
         self.wait()
         state = {name: obj.state_dict() for name, obj in self.recoverables.items()}
         if self.background_writes and distributed_info().world_size == 1:
@@ -285,7 +285,9 @@ class Checkpointer:
         ckpt = self._write(state, meta, end_of_epoch) if is_main_process() else None
         ddp_barrier()
         if rotate is not None:
-            rotate()
+            if is_main_process():
+                rotate()
+            ddp_barrier()
         return ckpt
 
     def _write_and_rotate(
@@ -384,7 +386,13 @@ class Checkpointer:
             meta,
             end_of_epoch,
             rotate=functools.partial(
-                self._rotate, num_to_keep, min_keys, max_keys, predicate, num_best, num_last_epochs
+                self._delete_all_but,
+                num_to_keep,
+                min_keys,
+                max_keys,
+                predicate,
+                num_best,
+                num_last_epochs,
             ),
         )
 
@@ -406,17 +414,6 @@ class Checkpointer:
         Under DDP rank 0 deletes; all ranks return once it is done.
         """
         self.wait()
-        self._rotate(num_to_keep, min_keys, max_keys, predicate, num_best, num_last_epochs)
-
-    def _rotate(
-        self,
-        num_to_keep: int,
-        min_keys: Iterable[str] | None,
-        max_keys: Iterable[str] | None,
-        predicate: Callable[[Checkpoint], bool] | None,
-        num_best: int,
-        num_last_epochs: int,
-    ) -> None:
         if is_main_process():
             self._delete_all_but(
                 num_to_keep, min_keys, max_keys, predicate, num_best, num_last_epochs

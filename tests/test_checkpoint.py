@@ -447,6 +447,8 @@ def test_only_rank_zero_writes_and_deletes(tmp_path, monkeypatch):
     assert ckpt.save_checkpoint() is None
     ckpt.keep_only(num_to_keep=1)
     assert len(ckpt.list_checkpoints()) == 2  # rank 0 saves and deletes; others only wait
+    assert ckpt.save_and_keep_only(num_to_keep=1) is None  # nor rotates after a save
+    assert len(ckpt.list_checkpoints()) == 2
 
 
 def test_retention_defaults_predicate_and_num_to_keep_zero(tmp_path):
