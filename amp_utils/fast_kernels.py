@@ -247,7 +247,8 @@ def depthwise_conv1d_unfold(
     x = F.pad(x, (0, 0, padding, padding))
     windows = x.unfold(1, dilation * (taps - 1) + 1, stride)[..., ::dilation]  # [B, T', C, K]
     filters = weight.to(dtype).view(channels, -1, taps)  # [C, M, K]: F.conv1d's channel order
-    out = (windows.unsqueeze(3) * filters).sum(-1).flatten(2)  # [B, T', C * M]
+    # CUDA's autocast runs sum in fp32 (its fp32 list): accumulate there, return the dtype.
+    out = (windows.unsqueeze(3) * filters).sum(-1).to(dtype).flatten(2)  # [B, T', C * M]
     if bias is not None:
         out = out + bias.to(dtype)
     return out.transpose(1, 2)

@@ -10,7 +10,8 @@
 #   bench_graphs_low_norms  bench_graphs' bf16 Brain row with precision.low_precision_norms=true
 #                      (with the weights cast together: 1.02x fp32's operations, counted on a CPU)
 #   graph_tests        pytest -m gpu of the weights cast together (fused_weight_casts, the
-#                      default since 3766fcf), the whole-step graphs and the device-side CTC loss
+#                      default since 3766fcf), the whole-step graphs, the device-side CTC loss,
+#                      the CUDA kernels (fast_kernels) and the Brain's CUDA tests (background saves)
 #   default_runs       the README's command as a user runs it (python recipes/train.py -m
 #                      precision=fp32,bf16 device=cuda: the default recipe with its default
 #                      fast_path=auto, i.e. whole-step graphs), one precision after the
@@ -291,7 +292,8 @@ part_gpu_tests() {
 part_graph_tests() {
   run_part graph_tests "$GRAPH_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider \
     --no-header ${GRAPH_TESTS_K:+-k "$GRAPH_TESTS_K"} tests/test_weight_casts.py \
-    tests/test_step_graphs.py tests/test_ctc_on_device.py tests/test_fast_kernels.py
+    tests/test_step_graphs.py tests/test_ctc_on_device.py tests/test_fast_kernels.py \
+    tests/test_brain.py
 }
 
 # sweep: precision sweep of experiment=gpu_asr. The precisions train at the same time on the

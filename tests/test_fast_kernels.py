@@ -438,7 +438,9 @@ def test_cuda_depthwise_runs_no_torch_depthwise_kernel(cuda_device, dtype, how, 
         expected = plain(x_plain)
     expected.float().square().sum().backward()
     bf16 = dtype == torch.bfloat16
-    tol = {"rtol": 1e-2, "atol": 1e-2} if bf16 else {"rtol": 1e-4, "atol": 1e-4}
+    # bf16: both sides round to 8 bits, so two results may be ~2 ulps (2 ** -6 relative)
+    # apart: the H200 found 11 of 2.5 M input gradients up to 0.0146 apart at atol 1e-2.
+    tol = {"rtol": 2e-2, "atol": 2e-2} if bf16 else {"rtol": 1e-4, "atol": 1e-4}
     assert out.dtype == expected.dtype
     torch.testing.assert_close(out.float(), expected.float(), **tol)
     torch.testing.assert_close(x_fast.grad, x_plain.grad, **tol)
