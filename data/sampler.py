@@ -59,6 +59,10 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         pad_quantum: with ``pad_to_buckets``, bucket edges are rounded up to a multiple of
             this many seconds (e.g. 64 samples), so a length that resampling rounds by a
             sample still fits its bucket; batch sizes are computed for the rounded edges.
+        ascending_epochs: epochs 1 to this one (the loop counts from 1, as SpeechBrain) present
+            their buckets shortest first, each bucket's batches still shuffled: SortaGrad
+            (Amodei et al., 2016, Deep Speech 2), which lets a CTC model align short
+            utterances before long ones. 0: every epoch in random batch order.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         drop_uneven: bool = True,
         pad_to_buckets: bool = False,
         pad_quantum: float = 0.0,
+        ascending_epochs: int = 0,
     ) -> None:
         if not max_batch_seconds > 0:
             raise DataError(
@@ -109,6 +114,12 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.drop_uneven = drop_uneven
         self.pad_to_buckets = pad_to_buckets
         self.pad_quantum = float(pad_quantum)
+        if ascending_epochs < 0:
+            raise DataError(
+                f"ascending_epochs must be >= 0, got {ascending_epochs}. Fix: 0 (off) or the "
+                "number of first epochs whose batches go shortest first, e.g. 1."
+            )
+        self.ascending_epochs = ascending_epochs
         self.epoch = 0
         self._skip = 0
         #: Plans of the last two epochs asked: the current one, and the next one that a
@@ -209,12 +220,19 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         # seeded with both, not their sum: seed + epoch gave seed 2's epoch 1 the order of
         # seed 1's epoch 2, so the runs of a sweep over seeds shared their data orders
         rng = random.Random(f"{self.seed}-{epoch}")
-        batches: list[list[int]] = []
+        per_bucket: list[list[list[int]]] = []
         for bucket in self._buckets():
             if self.shuffle:
                 rng.shuffle(bucket)
-            batches.extend(self._pack(bucket))
-        if self.shuffle:
+            per_bucket.append(self._pack(bucket))
+        batches = [batch for packed in per_bucket for batch in packed]
+        if self.shuffle and 0 < epoch <= self.ascending_epochs:
+            # SortaGrad: the same batches, the buckets' in turn (shortest first), each shuffled
+            batches = []
+            for packed in per_bucket:
+                rng.shuffle(packed)
+                batches.extend(packed)
+        elif self.shuffle:
             rng.shuffle(batches)
         self._cache[epoch] = batches
         if len(self._cache) > 2:

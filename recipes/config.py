@@ -491,6 +491,9 @@ def validate_config(cfg: DictConfig) -> None:
             "e.g. device.onednn_cache_capacity=4096; 0: no cache; null: oneDNN's own default",
         )
     _non_negative(cfg, "device.num_workers", "DataLoader worker processes; 0 loads in the loop")
+    _non_negative(
+        cfg, "data.ascending_epochs", "first epochs in shortest-first order; 0: random order"
+    )
     keys = OmegaConf.select(cfg, "trainer.compile_module_keys")
     unknown = [key for key in keys or [] if key not in MODULE_KEYS]
     if unknown:

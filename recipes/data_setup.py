@@ -262,6 +262,7 @@ def build_data(
             # fixed shapes: training drops each bucket's partial batch (other utterances
             # every epoch), which halves the shapes to compile and capture
             drop_last=split == "train" and data_cfg.pad_to_buckets,
+            ascending_epochs=int(data_cfg.ascending_epochs) if split == "train" else 0,
         )
         collate = (
             PadToBuckets(sampler.bucket_edges(), data_cfg.sample_rate)

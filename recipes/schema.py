@@ -195,6 +195,7 @@ class DataConfig:
     max_batch_seconds: float = MISSING  # padded seconds of audio per batch
     num_buckets: int = MISSING  # length buckets for batching similar durations together
     pad_to_buckets: bool = MISSING  # pad every batch to its bucket's longest utterance
+    ascending_epochs: int = 0  # first epochs in shortest-bucket-first order (SortaGrad; 0: off)
     skip_bad_files: bool = MISSING  # skip (and count) unreadable audio instead of failing
     cache_audio_mb: float = MISSING  # decode audio files into memory once if they fit (0: never)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)

@@ -111,6 +111,7 @@ def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
         ("data.features.hop_length=0", "data.features.hop_length=0 is not valid"),
         ("data.features.win_length=300", "win_length=300 is longer than data.features.n_fft=256"),
         ("device.num_workers=-1", "device.num_workers=-1 is not valid; it must be >= 0"),
+        ("data.ascending_epochs=-1", "data.ascending_epochs=-1 is not valid; it must be >= 0"),
         (
             "trainer.compile_module_keys=[modle]",
             "which are not modules of the run; valid: features",

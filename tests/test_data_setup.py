@@ -53,3 +53,19 @@ def test_a_negative_cache_size_is_a_config_error() -> None:
     cfg = compose_config(["data.cache_audio_mb=-1"])
     with pytest.raises(ConfigError, match=r"data.cache_audio_mb=-1(\.0)? is not valid.*>= 0"):
         validate_config(cfg)
+
+
+def test_ascending_epochs_reach_the_training_sampler_only(fsdd_root, prepared_digits) -> None:
+    """``data.ascending_epochs`` (SortaGrad) orders the training epochs; evaluation keeps
+    its fixed order; the default (0) leaves every epoch random."""
+    with _data(fsdd_root, prepared_digits, "data.ascending_epochs=1") as data:
+        samplers = {name: getattr(data, name).batch_sampler for name in ("train", "valid", "test")}
+        assert samplers["train"].ascending_epochs == 1
+        assert {samplers["valid"].ascending_epochs, samplers["test"].ascending_epochs} == {0}
+        train = samplers["train"]
+        bucket_of = {i: b for b, bucket in enumerate(train._buckets()) for i in bucket}
+        train.set_epoch(1)
+        buckets = [bucket_of[batch[0]] for batch in train]
+        assert buckets == sorted(buckets)  # the buckets in turn, shortest first
+    with _data(fsdd_root, prepared_digits) as data:
+        assert data.train.batch_sampler.ascending_epochs == 0

@@ -57,6 +57,29 @@ def test_no_shuffle_is_fixed_and_sorted() -> None:
     assert flat == sorted(range(len(DURATIONS)), key=lambda i: DURATIONS[i])
 
 
+@pytest.mark.parametrize("pad_to_buckets", [False, True])
+def test_ascending_epochs_go_shortest_bucket_first_then_random(pad_to_buckets: bool) -> None:
+    """SortaGrad: epochs up to ``ascending_epochs`` present the buckets shortest first, each
+    bucket's batches (and items) still shuffled per epoch; later epochs are exactly those of
+    a sampler without it, so a run's other epochs keep their orders."""
+    kwargs = {"seed": 3, "num_buckets": 6, "pad_to_buckets": pad_to_buckets}
+    sorted_first = DurationBatchSampler(DURATIONS, BUDGET, ascending_epochs=2, **kwargs)
+    plain = DurationBatchSampler(DURATIONS, BUDGET, **kwargs)
+    bucket_of = {i: b for b, bucket in enumerate(plain._buckets()) for i in bucket}
+    for epoch in (1, 2):
+        batches = _epoch(sorted_first, epoch)
+        buckets = [bucket_of[batch[0]] for batch in batches]
+        assert buckets == sorted(buckets) and len(set(buckets)) == 6
+        # every item once, the same batches as the random order packs, in another order
+        assert sorted(map(sorted, batches)) == sorted(map(sorted, _epoch(plain, epoch)))
+    assert _epoch(sorted_first, 1) != _epoch(sorted_first, 2)  # still shuffled per epoch
+    assert _epoch(sorted_first, 3) == _epoch(plain, 3)
+    random_buckets = [bucket_of[batch[0]] for batch in _epoch(plain, 1)]
+    assert random_buckets != sorted(random_buckets)
+    with pytest.raises(DataError, match="ascending_epochs must be >= 0"):
+        DurationBatchSampler(DURATIONS, BUDGET, ascending_epochs=-1)
+
+
 def test_drop_last_drops_only_incomplete_batches() -> None:
     full = _epoch(DurationBatchSampler(DURATIONS, BUDGET, seed=1), 0)
     dropped = _epoch(DurationBatchSampler(DURATIONS, BUDGET, seed=1, drop_last=True), 0)
