@@ -220,19 +220,13 @@ class DurationBatchSampler(torch.utils.data.Sampler[list[int]]):
         # seeded with both, not their sum: seed + epoch gave seed 2's epoch 1 the order of
         # seed 1's epoch 2, so the runs of a sweep over seeds shared their data orders
         rng = random.Random(f"{self.seed}-{epoch}")
-        per_bucket: list[list[list[int]]] = []
+        batches: list[list[int]] = []
         for bucket in self._buckets():
             if self.shuffle:
-                rng.shuffle(bucket)
-            per_bucket.append(self._pack(bucket))
-        batches = [batch for packed in per_bucket for batch in packed]
-        if self.shuffle and 0 < epoch <= self.ascending_epochs:
-            # SortaGrad: the same batches, the buckets' in turn (shortest first), each shuffled
-            batches = []
-            for packed in per_bucket:
-                rng.shuffle(packed)
-                batches.extend(packed)
-        elif self.shuffle:
+                rng.shuffle(bucket)  # so a bucket's batches come in a random order too
+            batches.extend(self._pack(bucket))
+        # SortaGrad (epochs 1 to ascending_epochs): the buckets in turn, shortest first
+        if self.shuffle and not 0 < epoch <= self.ascending_epochs:
             rng.shuffle(batches)
         self._cache[epoch] = batches
         if len(self._cache) > 2:

@@ -74,8 +74,10 @@ def test_ascending_epochs_go_shortest_bucket_first_then_random(pad_to_buckets: b
         assert sorted(map(sorted, batches)) == sorted(map(sorted, _epoch(plain, epoch)))
     assert _epoch(sorted_first, 1) != _epoch(sorted_first, 2)  # still shuffled per epoch
     assert _epoch(sorted_first, 3) == _epoch(plain, 3)
-    random_buckets = [bucket_of[batch[0]] for batch in _epoch(plain, 1)]
-    assert random_buckets != sorted(random_buckets)
+    assert _epoch(sorted_first, 0) == _epoch(plain, 0)  # epochs count from 1
+    for sampler, epoch in ((plain, 1), (plain, 0), (sorted_first, 0)):
+        random_buckets = [bucket_of[batch[0]] for batch in _epoch(sampler, epoch)]
+        assert random_buckets != sorted(random_buckets)
     with pytest.raises(DataError, match="ascending_epochs must be >= 0"):
         DurationBatchSampler(DURATIONS, BUDGET, ascending_epochs=-1)
 
