@@ -41,39 +41,22 @@
 # Each part runs under its own time limit inside one deadline; what a part finished is kept.
 # A lease is 15 minutes of device time, the machine's start (1-2 min) included, and a command
 # at most 10 minutes: the default DEADLINE fits one command, and the default PARTS puts first
-# what no lease has measured yet. The second 2026-11-27 H200 lease (commit a56526d,
-# benchmarks/results/2026-11-27-h200-default-recipe.md) verified the fused casts on CUDA
-# (graph tests pass; bf16 trains; the small recipe's graphed bf16 1.37x fp32), measured the
-# peers (ours 5.0x/5.4x), cuDNN depthwise (1.18x on Conformer-M bf16: gpu_asr's default
-# since) and activation memory; it found the loader-shutdown stall and the first-epoch
-# throughput bias, both fixed since, and the loaders now load the next epoch's first batches
-# during validation (trainer.prefetch_next_epoch); since 2026-11-27 (second CPU session) a
-# training loader streams its epochs as one iteration (27-31 ms -> 1.4-1.8 ms first-batch
-# wait per epoch on a 2-core CPU), and bench_graphs' loader rows start epochs the same way:
-# their loader/staged (0.91/0.92 in bf16/fp16) should reach the 0.95 target now: bench_graphs
-# joins command 1 below (~70 s). Not measured yet, in this order:
-# default_runs again (the summary should say >= 1.2x with a lower data_wait_share than
-# 0.038/0.083, bf16's peak below fp32's, and the part end rc 0: its rc 124 came after the
-# summary, with the process not exiting for 76 s; on a CPU a -m sweep with debug=fast and 4
-# workers exits 1.1 s after its summary since the loader-shutdown fix; each job's "time:"
-# log line and results.json now say how much of its wall time trained, validated and ended
-# epochs: the 2026-11-27 lease saw ~0.2 s of each ~0.6 s epoch train; the lexicon decoder's
-# search alone takes ~0.24 s per validation of the 300 utterances on one core of a 2-core
-# Xeon, greedy decoding 0.01 s; since c5419ac the epochs validate greedily and only the
-# test searches (model.valid_decoder=greedy: 22.7 -> 15.0 s of validation per run on that
-# CPU, results identical), so valid_time_s should now be a small share; the epoch-end save,
-# ~0.1 s per epoch in the 2026-11-27 log (epoch line to "Saved checkpoint"), now hashes as it
-# writes (no read-back: 170 -> 132 ms per save on that CPU) and on CUDA runs in a writer
-# thread (trainer.checkpoint_writes=auto), so epoch_end_time_s should fall to the state's
-# copy to the host), the graph tests
-# the 160 s cut (GRAPH_TESTS_K="interrupted_run or ctc_on_device or fast_kernels"),
-# bench_m_graphs (fp32, TF32, bf16, fp16 with cuDNN's depthwise kernels: the 3.0x/1.6x/2.7x
-# targets), the accuracy sweep with low_precision_norms, bench_graphs_unfused.
-# Next lease (~900 s with the start): command 1
-#   DEADLINE=560 PARTS="default_runs bench_graphs graph_tests" GRAPH_TESTS_K="..." (above;
-#   200 + 100 + 160 s at most); command 2: PARTS=bench_m_graphs (~290 s), DEADLINE=<left - 60>;
-# then, if time is left, a command 3 with what is left:
-#   PARTS=sweep SWEEP_PRECISIONS="bf16 bf16_low_norms fp32", or bench_graphs_unfused.
+# what no lease has measured yet. The third 2026-11-27 H200 lease (commit 9892d1b,
+# benchmarks/results/2026-11-27-h200-evening.md) met Conformer-M's speed targets (bench_m_graphs:
+# bf16 3.62x fp32 and 1.98x TF32, fp16 3.61x; peak 0.70x, target 0.6x missed), loader/staged
+# 0.99 (bf16) / 0.94 (fp16), default_runs rc 0 at 1.11x (target 1.2x missed; validation and
+# epoch ends ~0.1 s and ~20 ms an epoch now), and found the sweep's fp32 run stuck on the CTC
+# plateau: the batch order (4e1e480) decided it; experiment=gpu_asr now trains its first epoch
+# shortest bucket first (data.ascending_epochs=1, SortaGrad; CPU: validation CER 7-8 % at step
+# 160 in seeds 1 and 2). bench_graphs_unfused ran bf16 at the fused row's speed with 780
+# against 950 MB peak: under whole-step graphs casting the weights together saved no time.
+# Next lease (~900 s with the start), in this order:
+#   command 1: DEADLINE=560 PARTS="sweep graph_tests" SWEEP_PRECISIONS="fp32 bf16 fp16"
+#     (the sweep with SortaGrad: every precision should leave the plateau, test WER within
+#     0.5 points of fp32; graph_tests now also runs test_brain.py's CUDA tests and the
+#     fixed unfold/cuDNN depthwise tests);
+#   command 2: PARTS="default_runs" DEFAULT_EXTRA="precision.fused_weight_casts=false" and
+#     PARTS=sweep SWEEP_PRECISIONS="bf16_low_norms" (the 0.55x memory target's accuracy).
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
 # every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
 # fp32 from block 1 on, as each block's final LayerNorm outputs fp32; the conv module's
