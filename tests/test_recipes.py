@@ -457,7 +457,9 @@ def test_conformer_m_leaves_the_ctc_plateau_within_its_warm_up(tmp_path, fsdd_ro
     label prior (CER ~65 %, every word "five"). At the former peak lr of 1e-3 every
     precision stayed there for 1500 steps on an H200, and so did CPU runs with 200-s and
     60-s batches (loss ~2.1 after 210 steps); at 5e-4 both batch sizes leave it within
-    ~150 steps (benchmarks/results/2026-11-26-h200.md)."""
+    ~150 steps (benchmarks/results/2026-11-26-h200.md) in some batch orders: with 200-s
+    batches seed 1's order stayed there past step 140, so the preset's first epoch now goes
+    shortest bucket first (data.ascending_epochs=1, SortaGrad; 2026-11-27-h200-evening.md)."""
     cfg = compose_config(
         [
             "experiment=gpu_asr",
