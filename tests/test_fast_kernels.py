@@ -17,6 +17,7 @@ from amp_utils.fast_kernels import fp16_on_cpu, scaled_dot_product_attention
 from amp_utils.precision import ONEDNN_CACHE_VARIABLE
 from recipes.asr.model import ConformerCTC, SelfAttention
 from recipes.speaker.model import XVector
+from tests.cuda_autocast_policy import cuda_fp32_ops
 from tests.recipe_helpers import REPO_ROOT
 
 
@@ -611,3 +612,16 @@ def test_onednn_cache_capacity_set_in_process_reaches_onednn():
     kept = onednn_kernels_created(16)
     assert kept > 0
     assert onednn_kernels_created(1) >= 2 * kept
+
+
+def test_unfolded_depthwise_conv1d_returns_autocasts_dtype_under_cudas_fp32_sum():
+    """CUDA's autocast sums in fp32 (CPU's does not): the unfold depthwise returned fp32
+    under CUDA's bf16 autocast, a defect only the GPU test saw (d02f673). The CPU runs it
+    here with CUDA's fp32 ops emulated (``tests/cuda_autocast_policy.py``)."""
+    conv, plain = _depthwise(bias=True)
+    x = torch.randn(2, 6, 9)
+    with torch.autocast("cpu", dtype=torch.bfloat16), cuda_fp32_ops() as policy:
+        out = fast_kernels.depthwise_conv1d_unfold(x, conv.weight, conv.bias, 1, 2)
+    assert policy.calls > 0, "the emulated fp32 sum was not reached"
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), plain(x), rtol=2e-2, atol=2e-2)
