@@ -5,7 +5,8 @@ runs on the CPU with the choices CUDA makes, and ``amp_utils.saved_activations``
 autograd keeps for backward under fp32 and bf16:
 
 - attention cores, depthwise convolutions and dropout as on CUDA (``fast_kernels``' CPU
-  choices off: they keep attention and depthwise convolutions in fp32 on CPUs);
+  choices off: they keep attention and depthwise convolutions in fp32 on CPUs; dropout
+  keeps CUDA's one-byte bool mask, not the CPU's mask in the input's dtype);
 - LayerNorm as CUDA's autocast runs it (fp32 copy of the input, fp32 output), or with
   ``precision.low_precision_norms`` (a bf16 copy of the input, fp32 statistics inside).
 
@@ -21,7 +22,6 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import amp_utils.fast_kernels as fast_kernels
@@ -40,7 +40,19 @@ def use_cuda_kernel_choices() -> None:
     fast_kernels._SLOW_ON_CPU = ()
     fast_kernels._depthwise_on_cpu = lambda conv, x: False
     fast_kernels.fp16_on_cpu = lambda x: False
-    fast_kernels.dropout = F.dropout
+    fast_kernels.dropout = cuda_dropout
+
+
+def cuda_dropout(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:  # noqa: A002
+    """``F.dropout`` as it runs on CUDA: the fused ``native_dropout``, which keeps a
+    one-byte bool mask for backward in every precision. On a CPU ``F.dropout`` multiplies by
+    a mask in the input's dtype and keeps that (4 bytes an element in fp32, 2 in bf16): the
+    counts of 2026-11-26 used it and so overstated what fp32 keeps, and bf16's saving."""
+    if not training or p == 0.0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
 
 
 def cuda_policy_conformer(sizes: dict, norms: str) -> nn.Module:

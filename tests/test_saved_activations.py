@@ -191,6 +191,10 @@ def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes(monkeypatch)
     autocast, low = kept["autocast"]["LayerNorm"], kept["low_precision"]["LayerNorm"]
     assert autocast["low"] == autocast["fp32"]  # fp32 copies of the inputs
     assert low["low"] < 0.6 * low["fp32"]
+    # CUDA's dropout keeps a one-byte bool mask in both precisions (the CPU's F.dropout a
+    # mask in the input's dtype: 4 bytes in fp32, which overstated bf16's saving)
+    dropout = kept["autocast"]["Dropout"]
+    assert dropout["low"] == dropout["fp32"] > 0
 
 
 def test_training_state_counts_parameters_gradients_and_adam_moments():
