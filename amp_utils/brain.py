@@ -42,6 +42,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm  # not tqdm.auto: its asyncio variant creates a second loader iterator
 
+from amp_utils.accumulation_window import (
+    optimized_params,
+    rank_window,
+    restore_window,
+    window_state,
+)
 from amp_utils.amp_step import AMPOptimizerStep, ScalerState
 from amp_utils.autocast import AMPConfig, TorchAutocast
 from amp_utils.checkpoint import Checkpoint, Checkpointer, CheckpointError
@@ -97,41 +103,16 @@ from amp_utils.step_graphs import (
     tensor_leaves,
 )
 from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
+from amp_utils.train_stats import (
+    TRAIN_STATS,
+    DataWaitReport,
+    count_as_warmup,
+    global_train_stats,
+    restored_train_stats,
+)
 from amp_utils.weight_casts import WeightCasts
 
 logger = logging.getLogger(__name__)
-
-#: Training totals of a run (all sessions): seconds training, utterances and seconds of
-#: audio trained on, and seconds the loop waited for the loader's next batch.
-TRAIN_STATS: dict[str, float] = {
-    "time_s": 0.0,
-    "utterances": 0,
-    "audio_s": 0.0,
-    "data_wait_s": 0.0,
-    # each session's first trained epoch (start-up, compilation, graph captures), also
-    # counted above: run_results.Throughput rates the run without it
-    "warmup_time_s": 0.0,
-    "warmup_utterances": 0,
-    "warmup_audio_s": 0.0,
-    # fit's time besides training: the validation loops, and each epoch's end after its
-    # validation (metrics, logs, TensorBoard, checkpoint saving). A short step's epoch
-    # spends most of its time there (the default recipe on an H200: ~0.2 of ~0.6 s trains)
-    "valid_time_s": 0.0,
-    "epoch_end_time_s": 0.0,
-}
-#: Over DDP ranks the counts add up and the times are the slowest rank's.
-SUMMED_TRAIN_STATS = ("utterances", "audio_s", "warmup_utterances", "warmup_audio_s")
-SLOWEST_TRAIN_STATS = (
-    "time_s",
-    "data_wait_s",
-    "warmup_time_s",
-    "valid_time_s",
-    "epoch_end_time_s",
-)
-#: An epoch that waits for data this share of its time or more, and at least
-#: ``DATA_WAIT_MIN_S`` seconds (not a debug run's blink), gets a warning (once a run).
-DATA_WAIT_WARNING = 0.2
-DATA_WAIT_MIN_S = 1.0
 
 __all__ = ["Brain", "NonFiniteLossError", "Stage", "TrainingInterrupted"]
 
@@ -275,7 +256,7 @@ class Brain:
         #: True while a step that may be captured as a CUDA graph runs (``graph_step``):
         #: recipes then compute from device tensors only (no host syncs, no host values).
         self.graph_safe_step = False
-        self._warned_data_wait = False
+        self._data_wait = DataWaitReport()  # warns once a run
         self._step_graphs: StepGraphs | None = None
         # Why a capture failed in this run (any session): later sessions train eagerly too.
         self._step_graphs_failed: str | None = None
@@ -1094,21 +1075,21 @@ class Brain:
             epoch_time = self._epoch_train_s = time.perf_counter() - self._epoch_start
             self.train_stats["time_s"] += epoch_time
             epoch_wait = self.train_stats["data_wait_s"] - wait_before
-            self._report_data_wait(epoch, epoch_wait, epoch_time, train_set)
+            self._data_wait.report(
+                self.epoch_label(epoch),
+                epoch_wait,
+                epoch_time,
+                getattr(train_set, "num_workers", None),
+                self.tensorboard,
+                self.ledger.steps_taken,
+            )
             if not self._session_warmed_up:
                 self._session_warmed_up = True
-                self._count_epoch_as_warmup(self.train_stats, epoch_time)
+                count_as_warmup(self.train_stats, self._epoch_trained_before, epoch_time)
         self._trained_batches = self.step  # a signal in validation resumes past them
         self._resume_step = 0
         self.on_stage_end(Stage.TRAIN, self.avg_train_loss, epoch)
         self.step = 0
-
-    def _count_epoch_as_warmup(self, stats: dict[str, float], seconds: float) -> None:
-        """Add the current epoch, trained for ``seconds`` so far, to ``stats``' warm-up."""
-        utterances, audio_s = self._epoch_trained_before
-        stats["warmup_time_s"] += seconds
-        stats["warmup_utterances"] += stats["utterances"] - utterances
-        stats["warmup_audio_s"] += stats["audio_s"] - audio_s
 
     def _check_resumed_plan(self, skip: int) -> None:
         """Warn when an epoch resumed in its middle has another batch plan than the one
@@ -1126,30 +1107,6 @@ class Brain:
             self.epoch_label(self._stage_epoch),
             skip,
         )
-
-    def _report_data_wait(
-        self, epoch: int, wait_s: float, epoch_s: float, train_set: DataLoader
-    ) -> None:
-        """The share of the epoch spent waiting for batches: TensorBoard's
-        ``epoch/data_wait_share``, and a warning the first time it reaches 20 % (and 1 s)."""
-        share = wait_s / epoch_s if epoch_s > 0 else 0.0
-        if self.tensorboard is not None:
-            self.tensorboard.log_scalars(
-                {"epoch/data_wait_share": share}, step=self.ledger.steps_taken
-            )
-        if share >= DATA_WAIT_WARNING and wait_s >= DATA_WAIT_MIN_S and not self._warned_data_wait:
-            self._warned_data_wait = True
-            workers = getattr(train_set, "num_workers", None)
-            logger.warning(
-                "epoch %s: training waited for the next batch %.0f %% of the time (%.1f of "
-                "%.1f s): the data loader, not the model, sets the speed here. More loader "
-                "processes (device.num_workers, now %s) would help.",
-                self.epoch_label(epoch),
-                100 * share,
-                wait_s,
-                epoch_s,
-                workers,
-            )
 
     def _fit_valid(self, valid_set: DataLoader | None, epoch: int, enable: bool) -> None:
         if valid_set is None:
@@ -1343,7 +1300,7 @@ class Brain:
             partial_s = time.perf_counter() - self._epoch_start
             train_stats["time_s"] += partial_s
             if not self._session_warmed_up:  # ... and in a session's first, as its warm-up
-                self._count_epoch_as_warmup(train_stats, partial_s)
+                count_as_warmup(train_stats, self._epoch_trained_before, partial_s)
         state = {
             "step": self._resume_step,
             "world_size": self.distributed.world_size,
@@ -1392,7 +1349,7 @@ class Brain:
             )
         self._resume_step = done // world_size
         self._resume_plan = state.get("epoch_plan")
-        self._resume_grads = self._saved_pending_grads(state, saved_world_size)
+        self._resume_grads = rank_window(state, saved_world_size, self.distributed)
         self.optimizer_step = int(state["optimizer_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.nonfinite_count = int(state.get("nonfinite_count", 0))
@@ -1400,7 +1357,7 @@ class Brain:
         self.ledger.train_loss = RunningMean(
             float(state["avg_train_loss"]), int(state.get("avg_train_loss_count", 0))
         )
-        self.train_stats = self._restored_train_stats(state)
+        self.train_stats = restored_train_stats(state, self.train_stats, self.distributed)
         if state.get("precision") not in (None, self.amp.name):
             logger.warning(
                 "Resuming a %s checkpoint with precision=%s.", state["precision"], self.amp.name
@@ -1413,117 +1370,26 @@ class Brain:
 
     def _optimized_params(self) -> list[torch.nn.Parameter]:
         """Every optimizer's parameters, in a fixed order (the order they were built in)."""
-        return [
-            p
-            for opt in self.optimizers_dict.values()
-            for group in opt.param_groups
-            for p in group["params"]
-        ]
+        return optimized_params(self.optimizers_dict.values())
 
     def _pending_grads(self) -> dict[str, Any] | None:
-        """The gradients of an unfinished accumulation window, for a mid-epoch checkpoint;
-        None at a step boundary (the step set them to None).
-
-        A signal may stop a run mid-window (its loader's workers may be gone), so the
-        window's gradients and finite-loss flag travel with the checkpoint: the resumed
-        run then steps with the same gradients as an uninterrupted one. Under DDP each
-        rank keeps its own (``no_sync`` left them unreduced), on the CPU for the gather;
-        all ranks call this, and they agree on whether the window is finite.
-        """
-        grads = [p.grad for p in self._optimized_params()]
-        nonfinite = not all(g is None or bool(torch.isfinite(g).all()) for g in grads)
-        # under DDP: whether any rank holds gradients, and whether any rank's overflowed
-        nonfinite, any_grads = any_rank(nonfinite, any(g is not None for g in grads))
-        if not any_grads:
-            return None
-        if nonfinite:
-            # The window's step will be skipped (a checkpoint holds no NaN/Inf): keep only
-            # that. fp16's scaler backs off as after the overflow; fp32/bf16 without
-            # skip_nonfinite_grads skip a step they would have applied non-finite.
-            return {"grads": None, "window_finite": False}
-        to_cpu = self.distributed.world_size > 1
-        return {
-            "grads": [
-                None if g is None else (g.detach().cpu() if to_cpu else g.detach().clone())
-                for g in grads
-            ],
-            "window_finite": self.amp_step.window_finite(),
-        }
-
-    def _saved_pending_grads(
-        self, state: dict[str, Any], saved_world_size: int
-    ) -> dict[str, Any] | None:
-        """This rank's unfinished-window gradients from a mid-epoch checkpoint (or None).
-
-        Raises:
-            CheckpointError: the window's gradients were saved by another number of
-                processes (each rank's partial sum belongs to its own shard of the window).
-        """
-        per_rank = state.get("rank_pending_grads")
-        saved = [state.get("pending_grads")] if per_rank is None else per_rank
-        if all(grads is None for grads in saved):
-            return None
-        world_size = self.distributed.world_size
-        if saved_world_size != world_size or len(saved) != world_size:
-            raise CheckpointError(
-                f"The mid-epoch checkpoint was saved by {saved_world_size} process(es) inside "
-                "a gradient-accumulation window, with each process's partial gradients; "
-                f"{world_size} process(es) cannot finish that window as the interrupted "
-                f"run would have. Resume it with {saved_world_size} process(es); the world "
-                "size may change at an optimizer step or an epoch end."
-            )
-        return saved[self.distributed.rank]
+        """An unfinished accumulation window's gradients, for a mid-epoch checkpoint
+        (``amp_utils.accumulation_window``); None at a step boundary. Under DDP every rank
+        calls it."""
+        return window_state(self._optimized_params(), self.amp_step, self.distributed.world_size)
 
     def _restore_pending_grads(self) -> None:
         """Put a resumed accumulation window's gradients back (after the epoch's zero_grad)."""
         pending, self._resume_grads = self._resume_grads, None
-        if pending is None:
-            return
-        params = self._optimized_params()
-        grads = pending["grads"] or [None] * len(params)
-        if len(grads) != len(params) or any(
-            g is not None and g.shape != p.shape for p, g in zip(params, grads, strict=True)
-        ):
-            raise CheckpointError(
-                "The mid-epoch checkpoint holds the gradients of an unfinished accumulation "
-                f"window for {len(grads)} parameters whose shapes differ from this run's "
-                f"{len(params)} optimized parameters: resume it with the model and "
-                "optimizer it was saved with, or start the run afresh in a new output folder."
-            )
-        for p, g in zip(params, grads, strict=True):
-            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
-        self.amp_step.restore_window(pending["window_finite"], self.device)
-
-    def _restored_train_stats(self, state: dict[str, Any]) -> dict[str, float]:
-        """This rank's training stats from a checkpoint; under another world size, rank 0
-        carries the totals (``global_train_stats`` sums utterances and audio over ranks)."""
-        saved = state.get("rank_train_stats") or [state.get("train_stats", self.train_stats)]
-        saved = [{**TRAIN_STATS, **s} for s in saved]  # checkpoints from before a stat: 0
-        if len(saved) == self.distributed.world_size:
-            return dict(saved[self.distributed.rank])
-        mine = self.distributed.rank == 0
-        return {
-            **{key: max(float(s[key]) for s in saved) for key in SLOWEST_TRAIN_STATS},
-            **{
-                key: sum(s[key] for s in saved) if mine else TRAIN_STATS[key]
-                for key in SUMMED_TRAIN_STATS
-            },
-        }
+        if pending is not None:
+            restore_window(self._optimized_params(), pending, self.amp_step, self.device)
 
     def global_train_stats(self) -> dict[str, float]:
         """Training time, utterances, audio seconds and data wait of all ranks together.
 
         Utterances and audio add up over the ranks; the times are the slowest rank's.
         """
-        if self.distributed.world_size == 1:
-            return dict(self.train_stats)
-        totals = all_reduce_counts({key: self.train_stats[key] for key in SUMMED_TRAIN_STATS})
-        times = [self.train_stats[key] for key in SLOWEST_TRAIN_STATS]
-        slowest = all_reduce_max(torch.tensor(times, dtype=torch.float64))
-        return {
-            **totals,
-            **{key: float(v) for key, v in zip(SLOWEST_TRAIN_STATS, slowest, strict=True)},
-        }
+        return global_train_stats(self.train_stats, self.distributed)
 
     def peak_memory_mb(self) -> float:
         """Peak memory of the run so far (GPU allocations on CUDA, process RSS on CPU)."""

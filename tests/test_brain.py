@@ -237,7 +237,7 @@ def test_an_epoch_waiting_for_its_loader_is_measured_and_warned_about(delay, war
 def test_every_train_stat_is_either_summed_or_the_slowest_ranks():
     """Restoring under another world size and gathering over DDP ranks read the split; a
     stat in neither list would be dropped from both."""
-    from amp_utils.brain import SLOWEST_TRAIN_STATS, SUMMED_TRAIN_STATS, TRAIN_STATS
+    from amp_utils.train_stats import SLOWEST_TRAIN_STATS, SUMMED_TRAIN_STATS, TRAIN_STATS
 
     assert sorted(SUMMED_TRAIN_STATS + SLOWEST_TRAIN_STATS) == sorted(TRAIN_STATS)
 
