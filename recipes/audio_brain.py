@@ -308,8 +308,8 @@ def checkpoints_to_average(
     icefall) or the ``num`` best by the validation metric (``best``, as ESPnet).
 
     The final epochs sit in one basin at the schedule's low learning rate; the best ones,
-    picked by a noisy 300-utterance validation, can lie epochs apart (README "Checkpoint
-    averaging" has the measurements).
+    picked by a noisy 300-utterance validation, can lie epochs apart (docs/new_voices.md,
+    "Checkpoint averaging", has the measurements).
     """
     if average_from == "last":
         return final_epochs(checkpointer.find_last_checkpoints(num), num)

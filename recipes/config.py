@@ -355,7 +355,8 @@ def _check_required(cfg: DictConfig) -> None:
     if not missing:
         return
     what = (
-        " (data=manifest: the manifest of each split, CSV or JSONL; see README, Your own data)"
+        " (data=manifest: the manifest of each split, CSV or JSONL;"
+        " see docs/data.md, Your own data)"
         if OmegaConf.select(cfg, "data.name") == "manifest"
         else ""
     )

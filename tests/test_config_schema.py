@@ -177,21 +177,22 @@ def test_gpu_experiment_composes():
 
 
 def test_new_voices_experiment_is_the_measured_augmentation():
-    """The held-out-speaker sweep's settings (README "New voices"), on the ASR recipe."""
+    """The held-out-speaker sweep's settings (docs/new_voices.md), on the ASR recipe."""
     cfg = compose_config(["experiment=new_voices", "data.test_speakers=[lucas]"])
     validate_config(cfg)
     assert cfg.model.name == "conformer_ctc" and cfg.data.name == "fsdd_digits"
     assert list(cfg.data.wave_augment.speeds) == [0.9, 1.0, 1.1]
     assert cfg.data.wave_augment.noise_prob == 0.5 and cfg.data.spec_augment.freq_warp == 0.1
     assert cfg.data.synthetic_voices == 0  # needs engines a fresh machine may lack
-    # Kept on the front end its README figures were measured with (superseded since a63cb99).
+    # Kept on the front end its figures (docs/new_voices.md) were measured with (superseded
+    # since a63cb99).
     assert cfg.data.features.normalize == "per_bin" and cfg.data.wave_augment.channel_prob == 0
 
 
 @pytest.mark.parametrize(
     ("overrides", "cut_prob"),
     [
-        ([], 0.3),  # the ASR recipe on single digits: measured CER 3.03 -> 2.50 % (README)
+        ([], 0.3),  # the ASR recipe on single digits: measured CER 3.03 -> 2.50 % (docs/results.md)
         (["model=xvector"], 0.0),  # speaker ID: not measured with end cuts
         (["data=fsdd_connected"], 0.0),  # a cut would drop the last digit of a sequence
         (["experiment=new_voices"], 0.0),  # the held-out figures were measured without
@@ -206,7 +207,7 @@ def test_end_cuts_are_on_only_where_they_were_measured(overrides, cut_prob):
 @pytest.mark.parametrize(
     ("overrides", "normalize", "channel_prob"),
     [
-        ([], "utterance", 0.5),  # ASR on single digits: measured on held-out speakers (README)
+        ([], "utterance", 0.5),  # ASR, single digits: held-out speakers (docs/new_voices.md)
         (["experiment=new_voices"], "per_bin", 0.0),  # the front end it was measured with
         (["model=xvector"], "per_bin", 0.0),  # speaker ID: not measured
         (["data=fsdd_connected"], "per_bin", 0.0),  # connected digits: not measured
@@ -226,7 +227,7 @@ def test_utterance_normalisation_and_random_channels_are_on_only_where_measured(
 @pytest.mark.parametrize(
     ("overrides", "averaged"),
     [
-        ([], 3),  # the ASR recipe tests the average of its 3 best checkpoints (README)
+        ([], 3),  # the ASR recipe tests the average of its 3 best checkpoints (docs/new_voices.md)
         (["model=xvector"], 1),  # speaker ID: averaging measured within one utterance, off
         (["model=conformer_ctc_m"], 1),  # not measured
         (["trainer.average_checkpoints=5"], 5),  # the command line wins
