@@ -135,13 +135,17 @@ def ctc_loss_on_device(
     repeats = torch.ones_like(extended, dtype=torch.bool)  # blanks and repeated labels
     repeats[:, 2:] = extended[:, 2:] == extended[:, :-2]
     skip_penalty = torch.where(repeats, IMPOSSIBLE, 0.0)
+    # One view per frame from unbind: backward stacks the frames' gradients once, where
+    # indexing emit[:, t] would cost each frame a zero-filled [B, T, S] gradient and an add
+    # (~3 kernels a frame, a few hundred in a captured step; the same values).
+    emits = emit.unbind(1)
     states = torch.arange(num_states, device=device)
     alpha = torch.where(
-        (states < 2).unsqueeze(0) & (out_lens > 0).unsqueeze(1), emit[:, 0], IMPOSSIBLE
+        (states < 2).unsqueeze(0) & (out_lens > 0).unsqueeze(1), emits[0], IMPOSSIBLE
     )
     active = torch.arange(frames, device=device).unsqueeze(1) < out_lens.unsqueeze(0)
     for t in range(1, frames):
-        alpha = step(alpha, emit[:, t], skip_penalty, active[t])
+        alpha = step(alpha, emits[t], skip_penalty, active[t])
     last = (2 * token_lens).unsqueeze(1)
     end_blank = alpha.gather(1, last).squeeze(1)
     end_label = alpha.gather(1, (last - 1).clamp(min=0)).squeeze(1)
