@@ -55,8 +55,11 @@
 #     (the sweep with SortaGrad: every precision should leave the plateau, test WER within
 #     0.5 points of fp32; graph_tests now also runs test_brain.py's CUDA tests and the
 #     fixed unfold/cuDNN depthwise tests);
-#   command 2: PARTS="default_runs" DEFAULT_EXTRA="precision.fused_weight_casts=false" and
-#     PARTS=sweep SWEEP_PRECISIONS="bf16_low_norms" (the 0.55x memory target's accuracy).
+#   command 2: PARTS="default_runs bench_graphs" DEFAULT_EXTRA="precision.fused_weight_casts=false"
+#     (2026-11-28: the device CTC loss gathers its frames' gradients with one stack, ~3 kernels
+#     a frame fewer in every captured step of the small recipe: its steps/s against the
+#     2026-11-27 evening rows 105.25 fp32 / 147.51 bf16, and default_runs' 1.11x) and
+#     PARTS=sweep SWEEP_PRECISIONS="bf16_low_norms" (the 0.6x memory target's accuracy).
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
 # every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
 # fp32 from block 1 on, as each block's final LayerNorm outputs fp32; the conv module's
@@ -64,6 +67,8 @@
 # bytes by a count of the block's saves; LayerNorms on bf16 copies of their inputs (fp32
 # statistics inside the kernel: precision.low_precision_norms=true, off by default) would
 # bring the 0.63x towards 0.55x. The part diagnoses both; the accuracy needs a sweep.
+# (Measured 2026-11-27: 0.64x / 0.55x of saved bytes, 0.68x / 0.60x with the fp32 state; the
+# CPU count with CUDA's bool dropout masks predicts 0.67x / 0.59x: 2026-11-28-cpu-activation-memory.md.)
 # That sweep: PARTS=sweep SWEEP_PRECISIONS="bf16 bf16_low_norms fp32" (the three train at once,
 # ~300 s; compare test WER in sweep_gpu_asr/summary.md). With the weights cast together
 # (default since 3766fcf) low_precision_norms also brings bf16's step to 1.01-1.02x fp32's
