@@ -16,8 +16,10 @@ attention, depthwise convolutions and dropout as on CUDA; LayerNorms in fp32 as 
 autocast runs them). An operation is one aten call that is not a view; a CUDA kernel count
 differs (a matmul may launch two, a foreach op one per chunk), so compare the ratios.
 
-    python benchmarks/kernel_count_cuda_policy.py            # the default small Conformer
-    python benchmarks/kernel_count_cuda_policy.py --model m  # Conformer-M
+    python -m benchmarks.kernel_count_cuda_policy            # the default small Conformer
+    python -m benchmarks.kernel_count_cuda_policy --model m  # Conformer-M
+
+(``-m`` from the repository root: the script imports ``benchmarks.activation_memory_cuda_policy``.)
 """
 
 from __future__ import annotations
