@@ -195,6 +195,49 @@ def test_conformer_autocast_low_precision_logits_fp32_loss(dtype: torch.dtype) -
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_conformer_training_step_under_cudas_autocast_choices(dtype: torch.dtype, monkeypatch):
+    """The captured CUDA step's arithmetic (CUDA's kernel choices: attention, depthwise
+    convolutions and dropout as on the GPU; the device CTC loss), run on a CPU under
+    autocast with CUDA's fp32 ops emulated (``tests/cuda_autocast_policy.py``): it runs,
+    the LayerNorms and the residual stream are fp32 and the layers' outputs 16-bit, as on
+    the GPU, and every gradient is fp32 and finite. CPU autocast alone keeps sums and
+    softmaxes in 16 bits and hid a GPU-only dtype defect (d02f673)."""
+    import amp_utils.fast_kernels as fast_kernels
+    from benchmarks.activation_memory_cuda_policy import use_cuda_kernel_choices
+    from recipes.asr.ctc_on_device import alpha_step, ctc_loss_on_device
+    from tests.cuda_autocast_policy import cuda_fp32_ops
+
+    for name in ("_SLOW_ON_CPU", "_depthwise_on_cpu", "dropout", "fp16_on_cpu"):
+        monkeypatch.setattr(fast_kernels, name, getattr(fast_kernels, name))
+    use_cuda_kernel_choices()
+    torch.manual_seed(0)
+    model = _small_conformer().train()
+    outputs: dict[str, set[torch.dtype]] = {}
+    for module in model.modules():
+        module.register_forward_hook(
+            lambda m, i, out: outputs.setdefault(type(m).__name__, set()).add(
+                (out[0] if isinstance(out, tuple) else out).dtype
+            )
+        )
+    feats, feat_lens = _padded_batch(LENGTHS)
+    tokens = torch.randint(1, 12, (len(LENGTHS), 4))
+    with torch.autocast("cpu", dtype=dtype), cuda_fp32_ops() as policy:
+        logits, out_lens = model(feats, feat_lens)
+        log_probs = ctc_log_probs(logits)
+        loss = ctc_loss_on_device(
+            log_probs, out_lens, tokens, torch.tensor([4, 3, 2]), step=alpha_step
+        )
+    assert policy.calls > 0
+    assert logits.dtype == dtype and log_probs.dtype == loss.dtype == torch.float32
+    assert outputs["LayerNorm"] == outputs["ConformerBlock"] == {torch.float32}
+    assert outputs["Linear"] == outputs["SelfAttention"] == outputs["ConvModule"] == {dtype}
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def test_ctc_helpers_in_fp32_without_autocast() -> None:
     logits = torch.randn(2, 10, 5, dtype=torch.bfloat16)
     log_probs = ctc_log_probs(logits)
