@@ -649,18 +649,19 @@ def test_recipe_unknown_fp32_module_pattern_fails_naming_modules():
     )
 
 
-def test_readme_diagnose_commands_compose_and_validate():
+def test_documented_diagnose_commands_compose_and_validate():
+    """Every ``recipes/diagnose.py`` command of README.md and docs/*.md composes."""
     from hydra import compose, initialize_config_dir
 
     from recipes.config import register_resolvers
     from recipes.diagnose import training_config
     from recipes.schema import register_schemas
     from tests.recipe_helpers import CONF_DIR
-    from tests.test_readme import readme_commands
+    from tests.test_readme import documented_commands
 
     commands = [
         line.split("#")[0].split("recipes/diagnose.py", 1)[1].split()
-        for block in readme_commands()
+        for block in documented_commands()
         for line in block.splitlines()
         if "recipes/diagnose.py" in line
     ]
