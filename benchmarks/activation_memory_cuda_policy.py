@@ -10,7 +10,7 @@ autograd keeps for backward under fp32 and bf16:
 - LayerNorm as CUDA's autocast runs it (fp32 copy of the input, fp32 output), or with
   ``precision.low_precision_norms`` (a bf16 copy of the input, fp32 statistics inside).
 
-    python benchmarks/activation_memory_cuda_policy.py --batch 20 --frames 1000
+    python -m benchmarks.activation_memory_cuda_policy --batch 20 --frames 1000
 
 (20 x 10 s of 10 ms feature frames, about the sweep's 200 s batches). The byte counts depend
 on the ops' choices only, not on the CPU; the time does.
@@ -24,35 +24,13 @@ import time
 import torch
 from torch import nn
 
-import amp_utils.fast_kernels as fast_kernels
 from amp_utils.module_precision import apply_low_precision_norms, run_in_fp32
 from amp_utils.saved_activations import activation_memory
+from benchmarks.cuda_policy import use_cuda_kernel_choices
 from recipes.asr.model import ConformerCTC
 
 #: conf/model/conformer_ctc_m.yaml with experiment=gpu_asr's 80 mel bands
 CONFORMER_M = dict(n_mels=80, d_model=256, num_layers=16, num_heads=4, ffn_dim=1024, conv_kernel=31)
-
-
-def use_cuda_kernel_choices() -> None:
-    """Turn off ``fast_kernels``' CPU-only choices (fp32 attention and depthwise
-    convolutions, fp32 convolutions under fp16, 16-bit dropout masks): the model then
-    saves what it saves on CUDA."""
-    fast_kernels._SLOW_ON_CPU = ()
-    fast_kernels._depthwise_on_cpu = lambda conv, x: False
-    fast_kernels.fp16_on_cpu = lambda x: False
-    fast_kernels.dropout = cuda_dropout
-
-
-def cuda_dropout(
-    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
-) -> torch.Tensor:  # noqa: A002
-    """``F.dropout`` as it runs on CUDA: the fused ``native_dropout``, which keeps a
-    one-byte bool mask for backward in every precision. On a CPU ``F.dropout`` multiplies by
-    a mask in the input's dtype and keeps that (4 bytes an element in fp32, 2 in bf16): the
-    counts of 2026-11-26 used it and so overstated what fp32 keeps, and bf16's saving."""
-    if not training or p == 0.0:
-        return input
-    return torch.native_dropout(input, p, True)[0]
 
 
 def cuda_policy_conformer(sizes: dict, norms: str) -> nn.Module:

@@ -33,11 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_utils import Brain
 from amp_utils.step_operations import is_operation
-from benchmarks.activation_memory_cuda_policy import (
-    CONFORMER_M,
-    cuda_policy_conformer,
-    use_cuda_kernel_choices,
-)
+from benchmarks.activation_memory_cuda_policy import CONFORMER_M, cuda_policy_conformer
+from benchmarks.cuda_policy import use_cuda_kernel_choices
 
 #: conf/model/conformer_ctc.yaml with the digits' 40 mel bands
 CONFORMER_SMALL = dict(

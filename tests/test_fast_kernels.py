@@ -15,9 +15,9 @@ from torch import nn
 from amp_utils import fast_kernels
 from amp_utils.fast_kernels import fp16_on_cpu, scaled_dot_product_attention
 from amp_utils.precision import ONEDNN_CACHE_VARIABLE
+from benchmarks.cuda_policy import cuda_fp32_ops
 from recipes.asr.model import ConformerCTC, SelfAttention
 from recipes.speaker.model import XVector
-from tests.cuda_autocast_policy import cuda_fp32_ops
 from tests.recipe_helpers import REPO_ROOT
 
 
@@ -617,7 +617,7 @@ def test_onednn_cache_capacity_set_in_process_reaches_onednn():
 def test_unfolded_depthwise_conv1d_returns_autocasts_dtype_under_cudas_fp32_sum():
     """CUDA's autocast sums in fp32 (CPU's does not): the unfold depthwise returned fp32
     under CUDA's bf16 autocast, a defect only the GPU test saw (d02f673). The CPU runs it
-    here with CUDA's fp32 ops emulated (``tests/cuda_autocast_policy.py``)."""
+    here with CUDA's fp32 ops emulated (``benchmarks/cuda_policy.py``)."""
     conv, plain = _depthwise(bias=True)
     x = torch.randn(2, 6, 9)
     with torch.autocast("cpu", dtype=torch.bfloat16), cuda_fp32_ops() as policy:
@@ -625,3 +625,15 @@ def test_unfolded_depthwise_conv1d_returns_autocasts_dtype_under_cudas_fp32_sum(
     assert policy.calls > 0, "the emulated fp32 sum was not reached"
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), plain(x), rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_kernel_choices_apply_inside_the_block_only():
+    """``benchmarks.cuda_policy.cuda_kernel_choices``: CUDA's dropout (a bool mask) and
+    16-bit attention inside; fast_kernels' CPU choices back after, also after an error."""
+    from benchmarks.cuda_policy import cuda_dropout, cuda_kernel_choices
+
+    before = fast_kernels.dropout
+    with pytest.raises(RuntimeError), cuda_kernel_choices():
+        assert fast_kernels.dropout is cuda_dropout and fast_kernels._SLOW_ON_CPU == ()
+        raise RuntimeError
+    assert fast_kernels.dropout is before and torch.bfloat16 in fast_kernels._SLOW_ON_CPU

@@ -196,21 +196,16 @@ def test_conformer_autocast_low_precision_logits_fp32_loss(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_conformer_training_step_under_cudas_autocast_choices(dtype: torch.dtype, monkeypatch):
+def test_conformer_training_step_under_cudas_autocast_choices(dtype: torch.dtype):
     """The captured CUDA step's arithmetic (CUDA's kernel choices: attention, depthwise
     convolutions and dropout as on the GPU; the device CTC loss), run on a CPU under
-    autocast with CUDA's fp32 ops emulated (``tests/cuda_autocast_policy.py``): it runs,
+    autocast with CUDA's fp32 ops emulated (``benchmarks/cuda_policy.py``): it runs,
     the LayerNorms and the residual stream are fp32 and the layers' outputs 16-bit, as on
     the GPU, and every gradient is fp32 and finite. CPU autocast alone keeps sums and
     softmaxes in 16 bits and hid a GPU-only dtype defect (d02f673)."""
-    import amp_utils.fast_kernels as fast_kernels
-    from benchmarks.activation_memory_cuda_policy import use_cuda_kernel_choices
+    from benchmarks.cuda_policy import cuda_fp32_ops, cuda_kernel_choices
     from recipes.asr.ctc_on_device import alpha_step, ctc_loss_on_device
-    from tests.cuda_autocast_policy import cuda_fp32_ops
 
-    for name in ("_SLOW_ON_CPU", "_depthwise_on_cpu", "dropout", "fp16_on_cpu"):
-        monkeypatch.setattr(fast_kernels, name, getattr(fast_kernels, name))
-    use_cuda_kernel_choices()
     torch.manual_seed(0)
     model = _small_conformer().train()
     outputs: dict[str, set[torch.dtype]] = {}
@@ -222,7 +217,7 @@ def test_conformer_training_step_under_cudas_autocast_choices(dtype: torch.dtype
         )
     feats, feat_lens = _padded_batch(LENGTHS)
     tokens = torch.randint(1, 12, (len(LENGTHS), 4))
-    with torch.autocast("cpu", dtype=dtype), cuda_fp32_ops() as policy:
+    with cuda_kernel_choices(), torch.autocast("cpu", dtype=dtype), cuda_fp32_ops() as policy:
         logits, out_lens = model(feats, feat_lens)
         log_probs = ctc_log_probs(logits)
         loss = ctc_loss_on_device(

@@ -167,27 +167,29 @@ def test_low_precision_norms_keep_fewer_bytes_on_cuda(cuda_device):
     assert (a - b).norm() / a.norm() < 0.02
 
 
-def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes(monkeypatch):
+def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes():
     """benchmarks/activation_memory_cuda_policy.py: with CUDA's choices emulated, the
     LayerNorms keep fp32 under bf16 (as CUDA's autocast runs them) and half of it in bf16
     with low_precision_norms; attention and depthwise convolutions keep no fp32 (on a CPU
     fast_kernels keeps them in fp32)."""
-    import amp_utils.fast_kernels as fast_kernels
-    from benchmarks.activation_memory_cuda_policy import conformer_m, use_cuda_kernel_choices
+    from benchmarks.activation_memory_cuda_policy import conformer_m
+    from benchmarks.cuda_policy import cuda_kernel_choices
 
-    for name in ("_SLOW_ON_CPU", "_depthwise_on_cpu", "dropout", "fp16_on_cpu"):
-        monkeypatch.setattr(fast_kernels, name, getattr(fast_kernels, name))
-    use_cuda_kernel_choices()
     feats, lens = torch.randn(1, 64, 80), torch.tensor([64])
     kept = {}
-    for norms in ("autocast", "low_precision"):
-        model = conformer_m(norms)
-        memory = activation_memory(
-            model, lambda m=model: m(feats, lens)[0].float().sum(), "cpu", "bf16", torch.bfloat16
-        )
-        kept[norms] = memory.by_module_type(model)
-        holders = {name for name, _, _ in memory.fp32_holders(top=1000)}
-        assert not any(name.endswith((".attention", ".depthwise")) for name in holders)
+    with cuda_kernel_choices():
+        for norms in ("autocast", "low_precision"):
+            model = conformer_m(norms)
+            memory = activation_memory(
+                model,
+                lambda m=model: m(feats, lens)[0].float().sum(),
+                "cpu",
+                "bf16",
+                torch.bfloat16,
+            )
+            kept[norms] = memory.by_module_type(model)
+            holders = {name for name, _, _ in memory.fp32_holders(top=1000)}
+            assert not any(name.endswith((".attention", ".depthwise")) for name in holders)
     autocast, low = kept["autocast"]["LayerNorm"], kept["low_precision"]["LayerNorm"]
     assert autocast["low"] == autocast["fp32"]  # fp32 copies of the inputs
     assert low["low"] < 0.6 * low["fp32"]

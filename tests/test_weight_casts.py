@@ -417,27 +417,25 @@ def test_a_weight_stored_transposed_keeps_autocasts_cast_and_its_strides():
     assert _names(layer, casts.parameters) == {"bias"}
 
 
-def test_the_kernel_count_benchmark_shows_fewer_casts_with_each_option(monkeypatch):
+def test_the_kernel_count_benchmark_shows_fewer_casts_with_each_option():
     """benchmarks/kernel_count_cuda_policy.py on a tiny Conformer: the casts made together
     remove two casts per weight; low_precision_norms removes the LayerNorms' activation
     casts; bf16 and fp16 cast the same tensors under CUDA's choices."""
-    import amp_utils.fast_kernels as fast_kernels
-    from benchmarks.kernel_count_cuda_policy import count_step, use_cuda_kernel_choices
+    from benchmarks.cuda_policy import cuda_kernel_choices
+    from benchmarks.kernel_count_cuda_policy import count_step
 
-    for name in ("_SLOW_ON_CPU", "_depthwise_on_cpu", "dropout", "fp16_on_cpu"):
-        monkeypatch.setattr(fast_kernels, name, getattr(fast_kernels, name))
-    use_cuda_kernel_choices()
     sizes = dict(n_mels=40, d_model=32, num_layers=2, num_heads=4, ffn_dim=64, conv_kernel=7)
-    casts = {
-        variant: count_step(sizes, *variant).counts["_to_copy"]
-        for variant in [
-            ("fp32", False, False),
-            ("bf16", False, False),
-            ("bf16", True, False),
-            ("bf16", True, True),
-            ("fp16", True, False),
-        ]
-    }
+    with cuda_kernel_choices():
+        casts = {
+            variant: count_step(sizes, *variant).counts["_to_copy"]
+            for variant in [
+                ("fp32", False, False),
+                ("bf16", False, False),
+                ("bf16", True, False),
+                ("bf16", True, True),
+                ("fp16", True, False),
+            ]
+        }
     weights = sum(1 for _ in _conformer().parameters())  # an upper bound on weights cast
     assert casts[("fp32", False, False)] <= 2
     saved = casts[("bf16", False, False)] - casts[("bf16", True, False)]

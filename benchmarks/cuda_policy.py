@@ -1,4 +1,13 @@
-"""CUDA autocast's fp32 choices, emulated under CPU autocast: GPU dtype bugs caught on a CPU.
+"""What a training step does on CUDA, emulated on a CPU: counts and dtype checks without a GPU.
+
+Two parts, used by the CPU counts of ``benchmarks/activation_memory_cuda_policy.py`` and
+``benchmarks/kernel_count_cuda_policy.py`` and by tests:
+
+- ``cuda_kernel_choices()`` / ``use_cuda_kernel_choices()``: ``amp_utils.fast_kernels``
+  computes as it does on CUDA (its CPU-only choices off: attention and depthwise
+  convolutions in the autocast dtype, convolutions in fp16, CUDA's dropout with its
+  one-byte bool mask);
+- ``cuda_fp32_ops()``: CUDA autocast's fp32 op lists under CPU autocast.
 
 CPU and CUDA autocast keep different op lists. CUDA's runs reductions, softmaxes, norms,
 ``exp``/``log``/``pow`` and the losses in fp32 (its ``fp32`` and ``fp32_set_opt_dtype``
@@ -16,13 +25,57 @@ this project calls; an op missing here runs as CPU autocast runs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+import amp_utils.fast_kernels as fast_kernels
+
+#: The ``amp_utils.fast_kernels`` names that hold its CPU-only choices.
+_CPU_CHOICES = ("_SLOW_ON_CPU", "_depthwise_on_cpu", "fp16_on_cpu", "dropout")
+
+
+def cuda_dropout(
+    input: torch.Tensor,  # noqa: A002 (F.dropout's argument name)
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """``F.dropout`` as it runs on CUDA: the fused ``native_dropout``, which keeps a
+    one-byte bool mask for backward in every precision. On a CPU ``F.dropout`` multiplies by
+    a mask in the input's dtype and keeps that (4 bytes an element in fp32, 2 in bf16): the
+    counts of 2026-11-26 used it and so overstated what fp32 keeps, and bf16's saving."""
+    if not training or p == 0.0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
+
+
+def use_cuda_kernel_choices() -> None:
+    """Turn off ``fast_kernels``' CPU-only choices for the rest of the process (fp32
+    attention and depthwise convolutions, fp32 convolutions under fp16, 16-bit dropout
+    masks): the model then computes and saves what it does on CUDA."""
+    fast_kernels._SLOW_ON_CPU = ()
+    fast_kernels._depthwise_on_cpu = lambda conv, x: False
+    fast_kernels.fp16_on_cpu = lambda x: False
+    fast_kernels.dropout = cuda_dropout
+
+
+@contextmanager
+def cuda_kernel_choices() -> Iterator[None]:
+    """:func:`use_cuda_kernel_choices` inside the block only (for tests)."""
+    saved = {name: getattr(fast_kernels, name) for name in _CPU_CHOICES}
+    use_cuda_kernel_choices()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(fast_kernels, name, value)
+
 
 #: CUDA autocast's ``fp32`` and ``fp32_set_opt_dtype`` ops, by the Python functions that
 #: reach them (a ``Tensor`` method and its ``torch.*`` twin are both listed).
