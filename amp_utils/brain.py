@@ -12,7 +12,11 @@ the fit/evaluate loops; each mechanism they call lives in its own module:
 * ``compile.py``: ``torch.compile`` of whole modules or regions, CUDA-graph modes;
 * ``distributed.py``: DDP wrapping, SyncBatchNorm, ``no_sync`` for accumulation;
 * ``step_graphs.py``: the whole step captured as a CUDA graph per batch shape
-  (``graph_step``), each shape's warm-up checked for host reads by ``host_reads.py``.
+  (``graph_step``), each shape's warm-up checked for host reads by ``host_reads.py``;
+* ``train_stats.py``: the run's training totals (time, utterances, audio, data wait),
+  restored from checkpoints and summed over DDP ranks;
+* ``accumulation_window.py``: an unfinished gradient-accumulation window saved with a
+  mid-epoch checkpoint and put back on resume.
 
 Precision rules (learned from SpeechBrain, with its gaps fixed): forward + objectives run
 under ``TorchAutocast(device_type=<"cuda"|"cpu">, dtype=...)``; training uses
