@@ -66,26 +66,17 @@ def test_the_frames_gradients_are_gathered_once_not_per_frame() -> None:
     ``emit[:, t]`` gave every frame a zero-filled gradient of the whole ``[B, T, S]``
     emissions and an add into it: ~3 more kernels a frame in a captured step, for the
     default recipe's ~100 frames a few hundred of its kernels (the same values)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Names(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    from benchmarks.kernel_count_cuda_policy import OperationCount
 
     case = _case()
     logits = case["logits"].clone().requires_grad_()
     loss = ctc_loss_on_device(
         logits.log_softmax(-1), case["out_lens"], case["tokens"], case["token_lens"]
     )
-    with Names() as backward:
+    with OperationCount() as backward:
         loss.backward()
-    assert backward.names.count("select_backward") == 0  # (one a frame with the indexing)
-    assert backward.names.count("stack") == 1  # the frames' gradients, gathered once
+    assert backward.counts["select_backward"] == 0  # (one a frame with the indexing)
+    assert backward.counts["stack"] == 1  # the frames' gradients, gathered once
 
 
 def test_each_utterance_equals_pytorchs_negative_log_likelihood() -> None:
