@@ -19,7 +19,7 @@ differs (a matmul may launch two, a foreach op one per chunk), so compare the ra
     python -m benchmarks.kernel_count_cuda_policy            # the default small Conformer
     python -m benchmarks.kernel_count_cuda_policy --model m  # Conformer-M
 
-(``-m`` from the repository root: the script imports ``benchmarks.activation_memory_cuda_policy``.)
+(``-m`` from the repository root: the script imports other ``benchmarks`` modules.)
 """
 
 from __future__ import annotations
