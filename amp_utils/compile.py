@@ -54,13 +54,50 @@ def compile_regions(module: torch.nn.Module, **options: Any) -> int:
     return len(blocks) or 1
 
 
+class RecompileCount:
+    """Counts TorchDynamo's recompiles in this process: compiles of a frame it had compiled
+    before (compile id ``frame/n`` with ``n > 0``, the ``[0/1]`` of ``TORCH_LOGS=recompiles``).
+
+    torch 2.11 keeps no such counter: ``torch._dynamo.utils.counters["recompiles"]`` stays
+    empty, so the ``recompiles`` that ``results.json`` recorded read 0 whatever happened
+    (the device CTC loss's trial compile, 2026-11-28, was followed by two recompiles).
+    Dynamo's compile-start callback sees every compile. ``torch._dynamo.reset()`` drops the
+    callbacks, so whatever compiles calls :meth:`install` first (:func:`compile_modules`, the
+    CTC loss's compiled update); one process-wide instance counts: :data:`RECOMPILES`.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def install(self) -> None:
+        """Register with dynamo's compile-start callbacks, unless it is already there."""
+        handler = torch._dynamo.callback_handler
+        if self not in handler.start_callbacks:
+            handler.register_start_callback(self)
+
+    def __call__(self, args: Any) -> None:
+        """Dynamo's start callback: one compile begins (``args``: ``CallbackArgs``)."""
+        from torch._dynamo.callback import CallbackTrigger
+        from torch._guards import CompileId
+
+        if args.callback_trigger is not CallbackTrigger.DYNAMO:
+            return  # a deferred backward or a cudagraph recording: no new frame compile
+        compile_id = CompileId.from_string(str(args.compile_id))
+        if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:
+            self.count += 1
+
+
+RECOMPILES = RecompileCount()
+RECOMPILES.install()
+
+
 def compile_stats() -> dict[str, int]:
     """Process-wide ``torch.compile`` counters: graphs compiled, recompiles, CUDA-graph skips."""
     from torch._dynamo.utils import counters
 
     return {
         "graphs": int(counters["stats"]["unique_graphs"]),
-        "recompiles": int(sum(counters["recompiles"].values())),
+        "recompiles": RECOMPILES.count,
         "graph_breaks": int(sum(counters["graph_break"].values())),
         "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]),
     }
@@ -108,6 +145,7 @@ def compile_modules(
     if unknown:
         raise ValueError(f"compile_module_keys {unknown} are not modules; valid: {list(modules)}.")
     options = compile_options(run_opts.compile_mode, run_opts.compile_backend)
+    RECOMPILES.install()
     if device.type == "cpu" and run_opts.compile_backend == "inductor":
         logger.warning(
             "torch.compile on a CPU: compiled training steps measured slower than eager ones "

@@ -12,7 +12,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from amp_utils.compile import compile_modules, compile_options, compile_regions, compile_stats
+from amp_utils.compile import (
+    RECOMPILES,
+    compile_modules,
+    compile_options,
+    compile_regions,
+    compile_stats,
+)
 from amp_utils.run_options import RunOptions
 from recipes.asr.model import ConformerCTC
 
@@ -83,9 +89,26 @@ def test_cpu_inductor_compiles_once_and_matches_eager_over_changing_shapes(regio
     assert "slower than eager" in caplog.text  # the user learns that eager is faster here
     assert (model.blocks[0]._compiled_call_impl is not None) == regions
     shapes = [(3, 61), (2, 38), (4, 120), (3, 29)]
+    recompiles_before = compile_stats()["recompiles"]  # process-wide: other tests compile too
     _assert_trains_like_eager(modules["model"], model, reference, shapes, rtol=1e-4, atol=1e-6)
     stats = compile_stats()
-    assert stats["recompiles"] == 0 and stats["graph_breaks"] == 0, stats
+    assert stats["recompiles"] == recompiles_before and stats["graph_breaks"] == 0, stats
+
+
+def test_compile_stats_count_each_recompile() -> None:
+    """``results.json``'s ``compile.recompiles``: a guard that fails (here the input's dtype)
+    compiles the frame again, and the count says so. torch 2.11's own
+    ``counters["recompiles"]`` stays empty, and the count read 0 before 2026-11-28."""
+    torch._dynamo.reset()  # drops dynamo's callbacks: whatever compiles installs the count
+    RECOMPILES.install()
+    before = compile_stats()["recompiles"]
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=True)
+    double(torch.ones(3))
+    double(torch.ones(5))  # another size: dynamic shapes, the same compile
+    assert compile_stats()["recompiles"] == before
+    double(torch.ones(3, dtype=torch.float64))  # another dtype: a recompile
+    assert compile_stats()["recompiles"] == before + 1
+    torch._dynamo.reset()
 
 
 def test_compile_warns_on_the_cpu_only_with_inductor(monkeypatch, caplog):

@@ -75,17 +75,32 @@ def alpha_step_for(device: torch.device) -> AlphaStep:
 
 def compiled_or_eager(device: torch.device) -> AlphaStep:
     """:func:`alpha_step` compiled (dynamic shapes), tried forward and backward on a tiny
-    input first; if compiling fails, the eager function, with a warning.
+    batch first; if compiling fails, the eager function, with a warning.
 
     Compiling here, before any step, keeps a compiler failure out of a training step
-    (whose backward would otherwise compile lazily) and out of a CUDA-graph capture.
+    (whose backward would otherwise compile lazily) and out of a CUDA-graph capture. The
+    trial is the loss itself (:func:`ctc_loss_on_device`), so that the update meets the
+    arguments of a real step: distinct tensors, and per-frame views at growing offsets,
+    which the first frames' duck-sized guards tie to the batch size. A trial on plain
+    tensors (before 2026-11-28: one tensor passed twice) left two recompiles to the first
+    real step; this one leaves none for any batch shape
+    (``tests/test_ctc_on_device.py``), so a new shape can be captured after a single eager
+    warm-up step, whose compiled code runs eagerly.
     """
+    from amp_utils.compile import RECOMPILES
+
+    RECOMPILES.install()
     compiled = torch.compile(alpha_step, dynamic=True)
     try:
-        alpha = torch.zeros(2, 5, device=device, requires_grad=True)
-        penalty = torch.zeros(2, 5, device=device)
-        active = torch.ones(2, dtype=torch.bool, device=device)
-        compiled(alpha, penalty, penalty, active).sum().backward()
+        # batch 3, 2 targets (5 states), 8 frames: past frame 1 (views at offsets 3 and 5,
+        # tied to the batch and state counts) no offset equals a size, so the trial's last
+        # compile is the general one
+        logits = torch.zeros(3, 8, 11, device=device, requires_grad=True)
+        tokens = torch.tensor([[1, 2], [4, 4], [5, 0]], device=device)
+        token_lens = torch.tensor([2, 2, 1], device=device)
+        out_lens = torch.tensor([8, 6, 5], device=device)
+        log_probs = logits.log_softmax(-1)
+        ctc_loss_on_device(log_probs, out_lens, tokens, token_lens, step=compiled).backward()
     except Exception as err:  # noqa: BLE001 -- any compiler failure: run eagerly
         logger.warning(
             "The CTC loss's per-frame update could not be compiled (%s: %s); it runs "
