@@ -336,7 +336,7 @@ def main() -> None:
                     setup.step(b)
                     torch.cuda.synchronize()
                     times.append(round(1e3 * (time.perf_counter() - t), 1))
-            from torch._dynamo.utils import counters
+            from amp_utils.compile import compile_stats
 
             log(
                 {
@@ -344,7 +344,7 @@ def main() -> None:
                     "precision": "bf16",
                     "mode": "ro-regional-dyn 3 shapes x3",
                     "step_ms": times,
-                    "recompiles": dict(counters["stats"]),
+                    "compile": compile_stats(),  # graphs, recompiles, graph breaks
                 }
             )
         except Exception as err:
