@@ -683,12 +683,28 @@ class Brain:
             warmup_steps=self.run_opts.graph_step_warmup,
             max_shapes=self.run_opts.graph_step_max_shapes,
             capture=self.device.type == "cuda",  # elsewhere (tests) the body runs eagerly
+            later_warmup_steps=self.graph_step_later_warmup(),
         )
         logger.info(
             "trainer.graph_step: each batch shape's whole training step is captured as a CUDA "
-            "graph after %d eager steps, then replayed.",
+            "graph after %d eager steps (%d for the first shape), then replayed.",
+            self._step_graphs.later_warmup_steps,
             self.run_opts.graph_step_warmup,
         )
+
+    def graph_step_later_warmup(self) -> int:
+        """Eager steps of each batch shape after the first capture: ``graph_step_later_warmup``,
+        else one, or ``graph_step_warmup`` with compiled modules.
+
+        The run-wide state exists once a graph has been captured; what a new shape needs is
+        its own: cuDNN's algorithm search (one eager step) and, for compiled code, its
+        compile, which happens in the shape's second step (the first, checked for host reads,
+        runs compiled code eagerly; inductor cannot compile inside a capture). The device
+        CTC loss's compiled update needs none: its trial compile serves every shape.
+        """
+        if self.run_opts.graph_step_later_warmup is not None:
+            return self.run_opts.graph_step_later_warmup
+        return self.run_opts.graph_step_warmup if self._compiled else 1
 
     def static_batch(self, batch: Any) -> Any:
         """A copy of ``batch`` with tensors of its own: a captured step's inputs."""

@@ -48,7 +48,8 @@ class RunOptions:
     compile_regions: bool = False  # compile each ModuleList block (one compile for all) in place
     compile_eval: bool = False  # also run validation/test compiled (else eagerly: no capture)
     graph_step: bool = False  # capture each batch shape's whole training step as a CUDA graph
-    graph_step_warmup: int = 2  # eager steps of each batch shape before its capture
+    graph_step_warmup: int = 2  # eager steps of the first batch shape before its capture
+    graph_step_later_warmup: int | None = None  # of each later shape (None: 1; with compile 2)
     graph_step_max_shapes: int = 64  # batch shapes captured at most (later ones run eagerly)
     log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
     allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
@@ -114,10 +115,11 @@ class RunOptions:
                 f"distributed_backend must be one of {', '.join(BACKENDS)}; "
                 f"got {self.distributed_backend!r}."
             )
-        if self.graph_step_warmup < 1 or self.graph_step_max_shapes < 1:
+        later = self.graph_step_later_warmup
+        if self.graph_step_warmup < 1 or self.graph_step_max_shapes < 1 or (later or 1) < 1:
             raise ValueError(
-                "graph_step_warmup and graph_step_max_shapes must be >= 1, got "
-                f"{self.graph_step_warmup} and {self.graph_step_max_shapes}."
+                "graph_step_warmup, graph_step_later_warmup and graph_step_max_shapes must be "
+                f">= 1, got {self.graph_step_warmup}, {later} and {self.graph_step_max_shapes}."
             )
         if self.log_interval_steps < 1:
             raise ValueError(f"log_interval_steps must be >= 1, got {self.log_interval_steps}.")

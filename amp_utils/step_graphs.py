@@ -29,10 +29,14 @@ What a captured step needs, and what :class:`StepGraphs` does about it:
   between CPU and CUDA tensors during CUDA graph capture"), and with one warm-up step a
   shape may fail to capture and train eagerly. A capture that fails for
   another reason is reported the same way; the Brain then logs why and trains eagerly.
-* **Warm-up.** The first ``warmup_steps`` batches of each shape run eagerly on a side
+* **Warm-up.** The first ``warmup_steps`` batches of the first shape run eagerly on a side
   stream (real training steps), so that lazily created state -- optimizer moments, the
   loss scale, cuBLAS handles, shape caches -- exists before the capture and never lives in
-  graph memory. The step after them is captured, then replayed: it trains too.
+  graph memory. The step after them is captured, then replayed: it trains too. Once a
+  graph exists that state does too, and each later shape needs only what is its own
+  (cuDNN's algorithm choice, compiled code's compile for the shape): ``later_warmup_steps``
+  eager steps (the Brain: one, or two with compiled modules). Eager 16-bit steps of the
+  small recipe are ~5x a replay on the H200, and its ten shapes came two eager steps each.
 * **Outputs that outlive the replay.** Every graph writes its outputs to the same memory
   on each replay, and the graphs share one memory pool; the outputs are copied before
   they are returned, so a value the caller reads later (the step ledger reads one step
@@ -128,7 +132,10 @@ class StepGraphs:
             (parameters, optimizer, loss scale), returns tensors (any nesting).
         static_copy: a copy of a batch with its own device tensors (the static inputs).
         copy_into: ``copy_into(static, batch)`` copies a batch's tensors into ``static``.
-        warmup_steps: eager steps of each new shape before it is captured (>= 1).
+        warmup_steps: eager steps of each new shape before it is captured (>= 1), until a
+            first graph is captured.
+        later_warmup_steps: eager steps of each new shape once a graph has been captured
+            (>= 1; None: ``warmup_steps``).
         max_shapes: shapes captured at most; later new shapes run eagerly (one warning).
         capture: False runs every step eagerly (CPUs; tests of the bookkeeping), with the
             same warm-up check for host reads.
@@ -144,13 +151,19 @@ class StepGraphs:
         max_shapes: int = 64,
         capture: bool = True,
         key: Callable[[Any], Hashable] = shape_key,
+        later_warmup_steps: int | None = None,
     ) -> None:
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1 (eager steps first), got {warmup_steps}.")
+        later_warmup_steps = warmup_steps if later_warmup_steps is None else later_warmup_steps
+        if warmup_steps < 1 or later_warmup_steps < 1:
+            raise ValueError(
+                "warmup_steps and later_warmup_steps must be >= 1 (eager steps first), got "
+                f"{warmup_steps} and {later_warmup_steps}."
+            )
         self.body = body
         self.static_copy = static_copy
         self.copy_into = copy_into
         self.warmup_steps = warmup_steps
+        self.later_warmup_steps = later_warmup_steps
         self.max_shapes = max_shapes
         self.capture = capture
         self.key = key
@@ -192,7 +205,7 @@ class StepGraphs:
             self.replays += 1
             return clone_tensors(captured.outputs)
         self.seen[key] += 1
-        if self.seen[key] <= self.warmup_steps:
+        if self.seen[key] <= (self.later_warmup_steps if self.graphs else self.warmup_steps):
             return self._warm_up(key, batch, check=self.seen[key] == 1)
         if key in self.host_reads:
             raise CaptureFailed(

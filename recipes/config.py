@@ -336,6 +336,15 @@ def _check_graph_step(cfg: DictConfig) -> None:
             "do; the first capture fails and the whole run trains without CUDA graphs. Use "
             "trainer.graph_step_warmup=2 (the default) or more."
         )
+    later = trainer.graph_step_later_warmup
+    if trainer.graph_step and trainer.compile and later is not None and later < 2:
+        raise ConfigError(
+            f"trainer.graph_step_later_warmup={later} with trainer.compile=true: each later "
+            "batch shape's compiled code compiles in its second eager step (the first, checked "
+            "for host reads, runs it eagerly), and inductor cannot compile inside a capture, "
+            "so those shapes would fail to capture and the run train without CUDA graphs. Use "
+            "trainer.graph_step_later_warmup=null (the default: 2 with trainer.compile) or 2."
+        )
 
 
 def _missing_values(node: DictConfig, prefix: str = "") -> list[str]:
@@ -451,6 +460,8 @@ def validate_config(cfg: DictConfig) -> None:
         "data.num_buckets",
     ):
         _positive(cfg, key, integer=True)
+    if cfg.trainer.graph_step_later_warmup is not None:
+        _positive(cfg, "trainer.graph_step_later_warmup", integer=True)
     if cfg.data.name == "fsdd_connected":
         for key in ("data.num_train", "data.num_valid", "data.num_test"):
             _positive(cfg, key, integer=True)

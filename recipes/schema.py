@@ -285,7 +285,11 @@ class TrainerConfig:
         metadata={"help": "capture each batch shape's whole training step as a CUDA graph"},
     )
     graph_step_warmup: int = field(
-        default=2, metadata={"help": "eager steps of each batch shape before its capture"}
+        default=2, metadata={"help": "eager steps of the first batch shape before its capture"}
+    )
+    graph_step_later_warmup: Optional[int] = field(  # noqa: UP045 (OmegaConf needs Optional)
+        default=None,
+        metadata={"help": "eager steps of each later batch shape (null: 1; compiled: 2)"},
     )
     graph_step_max_shapes: int = field(
         default=64, metadata={"help": "batch shapes captured at most (later ones run eagerly)"}

@@ -113,6 +113,10 @@ def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
         ("device.num_workers=-1", "device.num_workers=-1 is not valid; it must be >= 0"),
         ("data.ascending_epochs=-1", "data.ascending_epochs=-1 is not valid; it must be >= 0"),
         (
+            "trainer.graph_step_later_warmup=0",
+            "trainer.graph_step_later_warmup=0 is not valid; it must be a positive integer",
+        ),
+        (
             "trainer.compile_module_keys=[modle]",
             "which are not modules of the run; valid: features",
         ),

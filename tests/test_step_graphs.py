@@ -159,6 +159,52 @@ def test_each_shape_warms_up_then_is_captured_once_and_replayed(monkeypatch, cap
     assert caplog.text.count("graph_step_max_shapes") == 1
 
 
+def test_later_shapes_are_captured_after_their_own_shorter_warm_up(monkeypatch) -> None:
+    """Once a graph exists, a new shape warms up with ``later_warmup_steps`` eager steps;
+    a shape first seen before that keeps its count of the steps it already had."""
+    cuda = _FakeCuda(monkeypatch)
+    calls: list[tuple[int, bool]] = []
+
+    def body(batch):
+        calls.append((batch.x.shape[0], cuda.capturing))
+        return batch.x.sum()
+
+    graphs = StepGraphs(
+        body, clone_tensors, lambda s, b: None, warmup_steps=2, later_warmup_steps=1
+    )
+    for size in (3, 4, 3, 3, 5, 5, 4, 4):
+        graphs(_Batch(torch.ones(size), []))
+    assert calls == [
+        (3, False),
+        (4, False),  # before the first capture: shape 4's first of its warm-up steps
+        (3, False),
+        (3, True),  # shape 3: two warm-up steps, then the capture
+        (5, False),
+        (5, True),  # shape 5, new after a capture: one warm-up step
+        (4, True),  # shape 4 had its one step already
+    ]
+    assert graphs.stats() == {"graphs": 3, "replays": 4, "eager_steps": 4}
+    with pytest.raises(ValueError, match="later_warmup_steps must be >= 1"):
+        StepGraphs(body, clone_tensors, lambda s, b: None, later_warmup_steps=0, capture=False)
+
+
+def test_the_brain_warms_later_shapes_up_once_unless_modules_are_compiled(
+    fsdd_root, prepared, tmp_path, monkeypatch
+) -> None:
+    """One eager step before a later shape's capture: its cuDNN algorithm search. Compiled
+    modules compile for a shape in its second step, so with them it is two; an explicit
+    ``trainer.graph_step_later_warmup`` wins."""
+    brain, _ = _brain(fsdd_root, prepared, tmp_path / "a")
+    monkeypatch.setattr(brain, "step_graph_blocker", lambda: None)
+    brain.on_fit_start()
+    assert brain.graph_step_later_warmup() == 1
+    assert brain._step_graphs.later_warmup_steps == 1 and brain._step_graphs.warmup_steps == 2
+    brain._compiled = True
+    assert brain.graph_step_later_warmup() == 2
+    brain.run_opts.graph_step_later_warmup = 3
+    assert brain.graph_step_later_warmup() == 3
+
+
 def test_a_capture_error_is_reported_as_capture_failed(monkeypatch) -> None:
     cuda = _FakeCuda(monkeypatch)
 
@@ -661,6 +707,11 @@ def test_one_warm_up_step_before_capturing_compiled_code_is_a_config_error() -> 
         validate_config(cfg)
     validate_config(compose_config([*FAST, *graphed]))
     validate_config(compose_config([*FAST, *graphed[:1], "trainer.compile=true"]))
+    later = [graphed[0], "trainer.graph_step_later_warmup=1"]
+    cfg = compose_config([*FAST, *later, "trainer.compile=true"])
+    with pytest.raises(ConfigError, match=r"later_warmup=1 with trainer.compile=true.*or 2"):
+        validate_config(cfg)
+    validate_config(compose_config([*FAST, *later]))
 
 
 def test_graph_step_without_fixed_batch_shapes_is_a_config_error() -> None:
