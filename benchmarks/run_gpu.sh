@@ -60,6 +60,12 @@
 #     a frame fewer in every captured step of the small recipe: its steps/s against the
 #     2026-11-27 evening rows 105.25 fp32 / 147.51 bf16, and default_runs' 1.11x) and
 #     PARTS=sweep SWEEP_PRECISIONS="bf16_low_norms" (the 0.6x memory target's accuracy).
+#     Also new since that lease (8fc50db): a shape new after the first capture warms up with
+#     one eager step (trainer.graph_step_later_warmup=1), so default_runs' step_graphs should
+#     read ~11 eager steps, not 20; the evening's steady epochs 4-30 were 224 ms (fp32) and
+#     240 ms (bf16) wall each, validation 77 / 107 ms of them (eager: bf16 pays autocast's
+#     launches), training ~130 / ~112 ms; its 1.11x came from epochs 2-30, and epochs 2-3
+#     (the captures of 9 shapes and their 18 eager steps) took ~0.9 s of bf16's 4.2 s.
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
 # every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
 # fp32 from block 1 on, as each block's final LayerNorm outputs fp32; the conv module's
