@@ -262,6 +262,9 @@ part_default_runs() {
   run_part default_runs "$DEFAULT_RUNS_LIMIT" python3 recipes/train.py -m \
     precision="$DEFAULT_PRECISIONS" device="$DEVICE" trainer.noprogressbar=true $DEFAULT_EXTRA \
     hydra.sweep.dir="$WORK/default_runs"
+  # each steady epoch's wall time split into training, validation and epoch ends
+  python3 -m benchmarks.epoch_split "$WORK"/default_runs/*_precision=* \
+    > "$WORK/default_runs/epoch_split.md" 2>&1
 }
 
 # activation_memory: the bytes autograd keeps for one of the sweep's batches, fp32 and bf16
@@ -371,8 +374,8 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     "$WORK"/bench_m_graphs/benchmark.md \
     "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory_norms_*/activation_memory.md \
     "$WORK"/activation_memory_norms_*/step_operations.md \
-    "$WORK"/default_runs/summary.md "$WORK"/sweep_gpu_asr/summary.md \
-    "$WORK"/bench_small/benchmark.md \
+    "$WORK"/default_runs/summary.md "$WORK"/default_runs/epoch_split.md \
+    "$WORK"/sweep_gpu_asr/summary.md "$WORK"/bench_small/benchmark.md \
     "$WORK"/bench_small_eager/benchmark.md; do
     fresh "$md" && { echo "== $md"; cat "$md"; }
   done
