@@ -502,3 +502,49 @@ def test_only_rank_zero_records_and_summarizes_a_torchrun_sweep(
     _write_job(sweep, "0", ["precision=fp32"], None)
     callback.on_multirun_end(config)
     assert not (sweep / MULTIRUN_ID_FILE).exists() and not (sweep / "summary.md").exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("device", "cuda"), ("world_size", 2), ("data", "fsdd_connected")]
+)
+def test_an_fp32_run_on_another_device_processes_or_data_is_no_baseline(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """Runs of one set of overrides may differ in what the command line does not say: the
+    device ``device=auto`` found, the processes a launcher started. bf16 on 2 processes
+    against fp32 on 1 is no precision's speed-up, and the table must not show one."""
+    _write_job(tmp_path, "0", ["precision=fp32"], _results("fp32", ["precision=fp32"]))
+    other = _results("bf16", ["precision=bf16"])
+    other[field] = value
+    _write_job(tmp_path, "1", ["precision=bf16"], other)
+    by_run = {row["run"]: row for row in summarize_sweep(tmp_path)}
+    assert by_run["0"]["speed-up vs fp32"] == "1.00x"
+    assert by_run["1"]["speed-up vs fp32"] == "—"
+
+
+@pytest.mark.parametrize("with_fp32", [True, False])
+def test_the_speed_up_is_against_the_run_that_asked_for_fp32(
+    tmp_path: Path, with_fp32: bool
+) -> None:
+    """``-m precision=fp32,auto,bf16`` where auto picks fp32: the reference is the run that
+    asked for fp32 (its own row reads 1.00x), not the auto one; without such a run the auto
+    run that trained in fp32 is the reference (as over seeds)."""
+    runs = [("auto", "fp32", 120.0), ("bf16", "bf16", 150.0)]
+    if with_fp32:
+        runs.append(("fp32", "fp32", 100.0))
+    for asked, used, speed in runs:
+        overrides = [f"precision={asked}"]
+        results = _results(used, overrides)
+        results["precision_requested"] = asked
+        results["throughput"]["train_utterances_per_s"] = speed
+        _write_job(tmp_path, asked, overrides, results)
+    by_run = {row["run"]: row for row in summarize_sweep(tmp_path)}
+    assert by_run["auto"]["precision"] == "fp32 (auto)"
+    if with_fp32:
+        assert [row["run"] for row in summarize_sweep(tmp_path)] == ["fp32", "bf16", "auto"]
+        assert by_run["fp32"]["speed-up vs fp32"] == "1.00x"
+        assert by_run["bf16"]["speed-up vs fp32"] == "1.50x"
+        assert by_run["auto"]["speed-up vs fp32"] == "1.20x"
+    else:
+        assert by_run["auto"]["speed-up vs fp32"] == "1.00x"
+        assert by_run["bf16"]["speed-up vs fp32"] == "1.25x"
