@@ -171,6 +171,25 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     )
 
 
+def test_an_auto_run_records_the_precisions_it_used_and_the_one_asked_for(
+    tmp_path, fsdd_root, prepared_digits, monkeypatch
+):
+    """precision=auto on a CPU without native bf16 trains and tests in fp32: results.json
+    (and the sweep table, which reads it) must say fp32, not "auto", with "auto" kept as
+    what was asked for."""
+    from amp_utils.sweep_summary import precision_label
+
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    train(fast_cfg(tmp_path, fsdd_root, prepared_digits, "precision=auto", "trainer.epochs=1"))
+    saved = RunResults.read(tmp_path / "run" / "results.json")
+    assert (saved.precision, saved.eval_precision, saved.precision_requested) == (
+        "fp32",
+        "fp32",
+        "auto",
+    )
+    assert precision_label(saved) == "fp32 (auto)"
+
+
 def plant_z_ero_evaluations(monkeypatch) -> dict[Stage, list[str]]:
     """Make every validation and test frame score "z" highest and "e", "r", "o" next: the
     best path reads "z", the lexicon search "zero". Returns the references each stage
