@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -364,7 +365,8 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
         return ""
     rank = {p: i for i, p in enumerate(_PRECISION_ORDER)}
     rows = []
-    for key in sorted(groups, key=lambda k: (k[:4], rank.get(k[4].split()[0], 99), k[4])):
+    # a label's precision is its first word: "fp16, eval fp32" and "bf16 (auto)" too
+    for key in sorted(groups, key=lambda k: (k[:4], rank.get(re.split("[ ,]", k[4])[0], 99), k[4])):
         by_seed = groups[key]
         reference = all_groups.get((*key[:4], "fp32")) or all_groups.get(
             (*key[:4], "fp32 (auto)"), {}

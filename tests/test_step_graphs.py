@@ -815,8 +815,9 @@ def test_captured_steps_train_as_eager_steps_on_cuda(
     fsdd_root, prepared, tmp_path, monkeypatch, model, precision, cuda_device
 ):
     """Two batch shapes, six steps each: the first captured after two warm-up steps, the
-    second after one (``graph_step_later_warmup``), and replayed, with the losses of the usual eager step (TF32 off, no randomness, deterministic cuDNN
-    kernels, the eager step's lr rounded to fp32 as the lr tensors hold it). The x-vector
+    second after one (``graph_step_later_warmup``), and replayed, with the losses of the
+    usual eager step (TF32 off, no randomness, deterministic cuDNN kernels, the eager step's
+    lr rounded to fp32 as the lr tensors hold it). The x-vector
     amplifies any rounding difference chaotically (see :func:`_fp32_lr`): on the
     2026-11-26 H200, without deterministic cuDNN and the rounded lr, its steps 7-11 were
     0.1-0.23 % off."""

@@ -548,3 +548,20 @@ def test_the_speed_up_is_against_the_run_that_asked_for_fp32(
     else:
         assert by_run["auto"]["speed-up vs fp32"] == "1.00x"
         assert by_run["bf16"]["speed-up vs fp32"] == "1.25x"
+
+
+def test_over_seeds_a_run_evaluated_in_another_precision_keeps_its_precisions_place(
+    tmp_path: Path,
+) -> None:
+    """The over-seeds rows go fp32, fp16, bf16; "fp16, eval fp32" is an fp16 row. Its rank
+    was looked up as "fp16," (split at spaces), which has none, so it sorted last."""
+    runs = [("fp16", "fp32", 1), ("fp16", "fp32", 2), ("bf16", "bf16", 1), ("bf16", "bf16", 2)]
+    for index, (trained, evaluated, seed) in enumerate(runs):
+        overrides = [f"precision={trained}", f"seed={seed}"]
+        results = _results(trained, overrides, CER=float(index))
+        results["eval_precision"] = evaluated
+        _write_job(tmp_path, f"{index}", overrides, results)
+    summarize_sweep(tmp_path)
+    seeds = (tmp_path / "summary.md").read_text().split("## Over seeds", 1)[1]
+    labels = [line.split(" | ")[3] for line in seeds.splitlines() if "fsdd_digits" in line]
+    assert labels == ["fp16, eval fp32", "bf16"]
