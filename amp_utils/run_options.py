@@ -51,6 +51,7 @@ class RunOptions:
     graph_step_warmup: int = 2  # eager steps of the first batch shape before its capture
     graph_step_later_warmup: int | None = None  # of each later shape (None: 1; with compile 2)
     graph_step_max_shapes: int = 64  # batch shapes captured at most (later ones run eagerly)
+    graph_eval: bool = True  # with graph_step: validation's forward passes as CUDA graphs too
     log_interval_steps: int = 10  # per-step scalars (loss, lr, grad norm, scale) every N steps
     allow_tf32: bool = False  # let fp32 matmuls/convs use TF32 on Ampere+ GPUs
     fused_weight_casts: bool = True  # autocast's weight casts once per step, together (same values)

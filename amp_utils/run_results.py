@@ -121,6 +121,8 @@ class RunResults:
     compile: dict[str, Any] | None = None  # torch.compile statistics, when compiled
     # trainer.graph_step: CUDA graphs captured, replays and eager steps (this session's)
     step_graphs: dict[str, int] | None = None
+    # trainer.graph_eval: the same for validation's forward passes (this session's)
+    eval_graphs: dict[str, int] | None = None
     torch_version: str | None = None
 
     @property

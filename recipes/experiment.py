@@ -390,6 +390,7 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             skipped_files=len(data.skipped_files),
             compile=compile_stats() if cfg.trainer.compile else None,
             step_graphs=brain.step_graph_stats(),
+            eval_graphs=brain.eval_graph_stats(),
             torch_version=torch.__version__,
         )
         ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store

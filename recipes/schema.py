@@ -294,6 +294,10 @@ class TrainerConfig:
     graph_step_max_shapes: int = field(
         default=64, metadata={"help": "batch shapes captured at most (later ones run eagerly)"}
     )
+    graph_eval: bool = field(
+        default=True,
+        metadata={"help": "with graph_step: validation's forward passes as CUDA graphs too"},
+    )
     log_interval_steps: int = MISSING
     fused_optimizer: bool = MISSING
     num_text_examples: int = MISSING

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_utils import Brain, TrainingInterrupted
+from amp_utils import Brain, Stage, TrainingInterrupted
 from amp_utils.compile import unwrap_module
 from amp_utils.step_graphs import (
     CapturableOptimizers,
@@ -511,6 +511,107 @@ def test_the_graph_safe_step_reads_no_host_values(
     assert brain._step_graphs.host_reads == {}
 
 
+def _validate(brain, batches) -> tuple[list[float], dict[str, float], list]:
+    """One validation over ``batches`` as the loop runs it: losses, metrics, outcomes."""
+    brain.modules.eval()
+    brain.on_stage_start(Stage.VALID, 1)
+    losses = [float(brain.evaluate_batch(batch, Stage.VALID)) for batch in batches]
+    return losses, brain.stage_metrics(Stage.VALID), list(brain.outcomes)
+
+
+@pytest.mark.parametrize(
+    ("model", "precision"),
+    [("conformer_ctc", "fp32"), ("conformer_ctc", "bf16"), ("xvector", "fp32")],
+)
+def test_validation_through_the_eval_graphs_scores_as_eager_validation(
+    fsdd_root, prepared, tmp_path, monkeypatch, model, precision
+):
+    """``trainer.graph_eval``: validation's forward pass and loss from device tensors
+    alone (what a CUDA graph records: device CTC lengths, no scoring inside), then the
+    recipe's ``score_predictions`` on the host. Run eagerly on the CPU over two
+    validations, it gives eager validation's metrics and outcomes exactly, and its losses
+    to rounding (the device CTC loss against ``F.ctc_loss``); its first pass of each shape,
+    the one checked before a capture, reads no host value."""
+    extra = (f"model={model}", f"precision={precision}")
+    graphed, data = _brain(fsdd_root, prepared, tmp_path / "a", *extra)
+    eager, _ = _brain(fsdd_root, prepared, tmp_path / "b", *extra, "trainer.graph_eval=false")
+    for brain in (graphed, eager):
+        monkeypatch.setattr(brain, "step_graph_blocker", lambda: None)
+        brain.on_fit_start()
+    assert graphed._eval_graphs is not None and eager._eval_graphs is None
+    batches = [batch for _, batch in zip(range(3), data.valid, strict=False)]
+    for _ in range(2):
+        losses, metrics, outcomes = _validate(graphed, batches)
+        expected_losses, expected_metrics, expected_outcomes = _validate(eager, batches)
+        assert metrics == expected_metrics and outcomes == expected_outcomes
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert graphed._eval_graphs is not None, "the graph-safe evaluation was given up"
+    assert graphed._eval_graphs.host_reads == {}
+    shapes = len({shape_key(graphed.graph_input(b)) for b in batches})
+    assert graphed.eval_graph_stats() == {"graphs": 0, "replays": 0, "eager_steps": 6}
+    assert len(graphed._eval_graphs.seen) == shapes
+
+
+def test_validation_replays_its_graphs_and_scores_each_replay(
+    fsdd_root, prepared, tmp_path, monkeypatch
+):
+    """With CUDA graphs faked on the CPU (a replay runs the recorded body again on the
+    graph's static inputs and writes the graph's output tensors, as a real one does), each
+    validation shape is run eagerly once, captured the next time it comes and replayed
+    after; every batch is scored from its own replay's outputs, as eager validation."""
+    cuda = _FakeCuda(monkeypatch)
+    capture = StepGraphs._capture
+
+    def capture_replaying(self, key, batch):
+        outputs = capture(self, key, batch)
+        entry = self.graphs[key]
+
+        def replay() -> None:
+            fresh = self.body(entry.static_batch)
+            for dst, src in zip(tensor_leaves(entry.outputs), tensor_leaves(fresh), strict=True):
+                dst.copy_(src)
+            cuda.replays += 1
+
+        entry.graph = type("Replaying", (), {"replay": staticmethod(replay)})()
+        return outputs
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture_replaying)
+    brain, data = _brain(fsdd_root, prepared, tmp_path / "a")
+    eager, _ = _brain(fsdd_root, prepared, tmp_path / "b", "trainer.graph_eval=false")
+    for b in (brain, eager):
+        monkeypatch.setattr(b, "step_graph_blocker", lambda: None)
+        b.on_fit_start()
+    brain._eval_graphs.capture = True  # what CUDA does; the fake records and replays
+    batches = [batch for _, batch in zip(range(4), data.valid, strict=False)]
+    shapes = len({shape_key(brain.graph_input(b)) for b in batches})
+    _, expected, expected_outcomes = _validate(eager, batches)
+    for _ in range(3):
+        _, metrics, outcomes = _validate(brain, batches)
+        assert metrics == expected and outcomes == expected_outcomes
+    steps = 3 * len(batches)
+    assert brain.eval_graph_stats() == {
+        "graphs": shapes,
+        "replays": steps - shapes,
+        "eager_steps": shapes,
+    }
+    assert cuda.replays == steps - shapes
+
+
+def test_a_recipe_that_scores_inside_its_objectives_validates_eagerly(
+    fsdd_root, prepared, tmp_path, monkeypatch, caplog
+):
+    """``score_predictions`` is what lets validation replay graphs; a recipe without it
+    (SpeechBrain's way: scoring in ``compute_objectives``) validates as before, and the
+    log says why."""
+    brain, _ = _brain(fsdd_root, prepared, tmp_path)
+    monkeypatch.setattr(brain, "step_graph_blocker", lambda: None)
+    monkeypatch.setattr(type(brain), "scores_predictions", lambda self: False)
+    with caplog.at_level(logging.INFO, logger="amp_utils.brain"):
+        brain.on_fit_start()
+    assert brain._step_graphs is not None and brain._eval_graphs is None
+    assert "override score_predictions" in caplog.text
+
+
 def test_a_step_that_reads_host_values_is_not_captured_and_says_where(
     fsdd_root, prepared, tmp_path, monkeypatch, caplog
 ):
@@ -791,6 +892,36 @@ def _no_noise(model: str, *extra: str) -> list[str]:
         "model.dropout=0",
         *extra,
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("model", ["conformer_ctc", "xvector"])
+def test_captured_validation_scores_as_eager_validation_on_cuda(
+    fsdd_root, prepared, tmp_path, monkeypatch, model, precision, cuda_device
+):
+    """``trainer.graph_eval`` on a GPU: three validations of the same batches (eager, then
+    captured, then replayed) give eager validation's metrics and outcomes (bf16: metrics
+    within half a point), and its losses to rounding (deterministic cuDNN, TF32 off)."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    extra = _no_noise(model, "device=cuda", f"precision={precision}", "precision.allow_tf32=false")
+    graphed, data = _brain(fsdd_root, prepared, tmp_path / "a", *extra)
+    eager, _ = _brain(fsdd_root, prepared, tmp_path / "b", *extra, "trainer.graph_eval=false")
+    graphed.on_fit_start()
+    eager.on_fit_start()
+    assert graphed._eval_graphs is not None and eager._eval_graphs is None
+    batches = [batch for _, batch in zip(range(4), data.valid, strict=False)]
+    expected_losses, expected, expected_outcomes = _validate(eager, batches)
+    for _ in range(3):
+        losses, metrics, outcomes = _validate(graphed, batches)
+        if precision == "fp32":
+            assert metrics == expected and outcomes == expected_outcomes
+        else:  # a kernel chosen differently under capture may flip a rare near-tie
+            assert metrics == pytest.approx(expected, abs=0.5)
+        assert losses == pytest.approx(expected_losses, rel=1e-3 if precision == "fp32" else 2e-2)
+    stats = graphed.eval_graph_stats()
+    assert stats["graphs"] >= 1 and stats["replays"] >= len(batches), stats
 
 
 def test_the_deterministic_gpu_configs_compose() -> None:

@@ -47,9 +47,15 @@ class ASRBrain(AudioBrain):
         else:
             loss_lens, token_lens = self.ctc_lengths(batch, out_lens)
             loss = ctc_loss(log_probs, loss_lens, batch.tokens, token_lens)
-        if stage != Stage.TRAIN:
+        if stage != Stage.TRAIN and not self.graph_safe_step:  # captured: scored after
             self._score(self.decoder_for(stage), log_probs, out_lens, batch)
         return loss
+
+    def score_predictions(self, predictions, batch: AudioBatch, stage: Stage) -> None:
+        """Decode and score a batch evaluated through a CUDA graph (``trainer.graph_eval``)
+        on the host, as ``compute_objectives`` does in an eager evaluation."""
+        logits, out_lens = predictions
+        self._score(self.decoder_for(stage), ctc_log_probs(logits), out_lens, batch)
 
     def ctc_lengths(
         self, batch: AudioBatch, out_lens: torch.Tensor

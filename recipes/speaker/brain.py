@@ -32,13 +32,18 @@ class SpeakerBrain(AudioBrain):
         # Label smoothing regularises training only; validation/test report plain cross-entropy.
         smoothing = self.label_smoothing if stage == Stage.TRAIN else 0.0
         loss = classification_loss(logits, batch.speakers, smoothing)
-        if stage != Stage.TRAIN:
-            predicted = logits.argmax(dim=-1)
-            self.correct += int((predicted == batch.speakers).sum())
-            self.total += len(batch)
-            names = self.speaker_names(batch.speakers.tolist())
-            self.record_outcomes(batch, self.speaker_names(predicted.tolist()), names)
+        if stage != Stage.TRAIN and not self.graph_safe_step:  # captured: scored after
+            self.score_predictions(logits, batch, stage)
         return loss
+
+    def score_predictions(self, logits: torch.Tensor, batch: AudioBatch, stage: Stage) -> None:
+        """Count a batch's correctly identified speakers (on the host), eager or after a
+        CUDA graph's replay (``trainer.graph_eval``)."""
+        predicted = logits.argmax(dim=-1)
+        self.correct += int((predicted == batch.speakers).sum())
+        self.total += len(batch)
+        names = self.speaker_names(batch.speakers.tolist())
+        self.record_outcomes(batch, self.speaker_names(predicted.tolist()), names)
 
     @property
     def label_smoothing(self) -> float:
