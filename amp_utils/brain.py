@@ -803,7 +803,9 @@ class Brain:
             self._graph_safe_eval,
             self.static_batch,
             self.copy_into_static,
-            warmup_steps=1,  # the shape's cuDNN algorithm search; the check for host reads
+            # the check for host reads and cuDNN's algorithm search; modules compiled for
+            # evaluation compile for a shape in its second pass (the first runs them eagerly)
+            warmup_steps=2 if self._compiled and self.run_opts.compile_eval else 1,
             max_shapes=self.run_opts.graph_step_max_shapes,
             capture=self.device.type == "cuda",
         )

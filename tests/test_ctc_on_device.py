@@ -158,7 +158,8 @@ def test_after_its_trial_the_update_serves_every_recipe_shape_without_a_compile(
     compiled code eagerly (``HostReads``): the capture is then the update's first call with
     that shape, and a recompile there would fail the capture (inductor cannot compile
     inside one) and turn the run's graphs off. So the trial compile on its tiny input, then
-    the recipe's shapes (forward and backward) must need no compile at all."""
+    the recipe's shapes (forward and backward, and forward without gradients: validation's
+    captured loss) must need no compile at all."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -175,6 +176,9 @@ def test_after_its_trial_the_update_serves_every_recipe_shape_without_a_compile(
         loss = ctc_loss_on_device(logits.log_softmax(-1), out_lens, tokens, token_lens, step=step)
         loss.backward()
         assert torch.isfinite(logits.grad).all()
+        with torch.no_grad():  # validation's captured loss (trainer.graph_eval)
+            args = (logits.log_softmax(-1), out_lens, tokens, token_lens)
+            assert ctc_loss_on_device(*args, step=step) == loss.detach()
     assert compile_stats()["recompiles"] == recompiles_before
     assert counters["stats"]["unique_graphs"] == graphs_before
     torch._dynamo.reset()

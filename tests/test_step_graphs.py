@@ -612,6 +612,24 @@ def test_a_recipe_that_scores_inside_its_objectives_validates_eagerly(
     assert "override score_predictions" in caplog.text
 
 
+def test_validation_compiled_for_evaluation_warms_each_shape_up_twice(
+    fsdd_root, prepared, tmp_path, monkeypatch
+):
+    """Modules compiled for evaluation (``trainer.compile_eval``) compile for a shape in
+    its second pass (the first, checked for host reads, runs them eagerly): captured at
+    the first pass, they would compile inside the capture and fail it."""
+    brain, _ = _brain(fsdd_root, prepared, tmp_path)
+    monkeypatch.setattr(brain, "step_graph_blocker", lambda: None)
+    brain.on_fit_start()
+    assert brain._eval_graphs.warmup_steps == 1
+    brain._compiled = True
+    brain._set_up_eval_graphs()
+    assert brain._eval_graphs.warmup_steps == 1  # evaluation runs eagerly (compile_eval off)
+    brain.run_opts.compile_eval = True
+    brain._set_up_eval_graphs()
+    assert brain._eval_graphs.warmup_steps == 2
+
+
 def test_a_step_that_reads_host_values_is_not_captured_and_says_where(
     fsdd_root, prepared, tmp_path, monkeypatch, caplog
 ):

@@ -85,7 +85,9 @@ def compiled_or_eager(device: torch.device) -> AlphaStep:
     tensors (before 2026-11-28: one tensor passed twice) left two recompiles to the first
     real step; this one leaves none for any batch shape
     (``tests/test_ctc_on_device.py``), so a new shape can be captured after a single eager
-    warm-up step, whose compiled code runs eagerly.
+    warm-up step, whose compiled code runs eagerly. The trial runs without gradients too:
+    grad mode is one of dynamo's guards, and validation's captured loss
+    (``trainer.graph_eval``) would otherwise compile inside its first capture and fail it.
     """
     from amp_utils.compile import RECOMPILES
 
@@ -101,6 +103,8 @@ def compiled_or_eager(device: torch.device) -> AlphaStep:
         out_lens = torch.tensor([8, 6, 5], device=device)
         log_probs = logits.log_softmax(-1)
         ctc_loss_on_device(log_probs, out_lens, tokens, token_lens, step=compiled).backward()
+        with torch.no_grad():  # validation's captured loss: grad mode is one of the guards
+            ctc_loss_on_device(log_probs, out_lens, tokens, token_lens, step=compiled)
     except Exception as err:  # noqa: BLE001 -- any compiler failure: run eagerly
         logger.warning(
             "The CTC loss's per-frame update could not be compiled (%s: %s); it runs "
