@@ -13,6 +13,8 @@ the fit/evaluate loops; each mechanism they call lives in its own module:
 * ``distributed.py``: DDP wrapping, SyncBatchNorm, ``no_sync`` for accumulation;
 * ``step_graphs.py``: the whole step captured as a CUDA graph per batch shape
   (``graph_step``), each shape's warm-up checked for host reads by ``host_reads.py``;
+  ``brain_graphs.py``: the Brain's side of it, for training steps and validation
+  (``GraphedSteps``, a base class of ``Brain``);
 * ``train_stats.py``: the run's training totals (time, utterances, audio, data wait),
   restored from checkpoints and summed over DDP ranks;
 * ``accumulation_window.py``: an unfinished gradient-accumulation window saved with a
@@ -37,7 +39,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from enum import Enum, auto
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,6 +55,7 @@ from amp_utils.accumulation_window import (
 )
 from amp_utils.amp_step import AMPOptimizerStep, ScalerState
 from amp_utils.autocast import AMPConfig, TorchAutocast
+from amp_utils.brain_graphs import GraphedSteps
 from amp_utils.checkpoint import Checkpoint, Checkpointer, CheckpointError
 from amp_utils.compile import compile_modules
 from amp_utils.distributed import (
@@ -98,14 +100,9 @@ from amp_utils.precision import (
 from amp_utils.rng_state import capture_rng_state, restore_rng_state
 from amp_utils.run_options import RunOptions
 from amp_utils.running_mean import RunningMean
+from amp_utils.stage import Stage
 from amp_utils.stall_watchdog import StallWatchdog
-from amp_utils.step_graphs import (
-    CapturableOptimizers,
-    CaptureFailed,
-    StepGraphs,
-    clone_tensors,
-    tensor_leaves,
-)
+from amp_utils.step_graphs import CapturableOptimizers, StepGraphs
 from amp_utils.step_ledger import NonFiniteLossError, StepInfo, StepLedger
 from amp_utils.train_stats import (
     TRAIN_STATS,
@@ -123,20 +120,12 @@ __all__ = ["Brain", "NonFiniteLossError", "Stage", "TrainingInterrupted"]
 INTRA_EPOCH_FLAG = "intra_epoch"
 
 
-class Stage(Enum):
-    """Simple enum to track stage of experiments."""
-
-    TRAIN = auto()
-    VALID = auto()
-    TEST = auto()
-
-
 def _run_option(name: str) -> property:
     """A read-only ``Brain`` attribute for ``run_opts.<name>``, as SpeechBrain's are."""
     return property(lambda self: getattr(self.run_opts, name), doc=f"``run_opts.{name}``.")
 
 
-class Brain:
+class Brain(GraphedSteps):
     """Brain class abstracts away the details of data loops.
 
     Args:
@@ -370,6 +359,10 @@ class Brain:
         override turns whole-step CUDA graphs off (a capture would freeze its choice)."""
         return optimizers
 
+    def overrides_freeze_optimizers(self) -> bool:
+        """Whether the recipe chooses the optimizers a step uses (``freeze_optimizers``)."""
+        return type(self).freeze_optimizers is not Brain.freeze_optimizers
+
     def _stepped_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers a step updates: ``freeze_optimizers`` of all of them."""
         return list(self.freeze_optimizers(self.optimizers_dict).values())
@@ -405,6 +398,10 @@ class Brain:
         132 / 111 ms of training.
         """
         raise NotImplementedError
+
+    def scores_predictions(self) -> bool:
+        """Whether the recipe scores evaluated batches in :meth:`score_predictions`."""
+        return type(self).score_predictions is not Brain.score_predictions
 
     def on_stage_start(self, stage: Stage, epoch: int | None = None) -> None:
         """Called when a stage (train, valid, test) starts; e.g. reset metric trackers."""
@@ -649,204 +646,6 @@ class Brain:
         ):
             self._eval_casts = WeightCasts(self.modules, self.eval_amp.dtype)
         return self._eval_casts
-
-    # ------------------------------------------------- whole-step CUDA graphs
-    def step_graph_blocker(self) -> str | None:
-        """Why this run's training step cannot be captured whole (``graph_step``), or None.
-
-        Subclasses add their own reasons (e.g. augmentation that changes the batch shape).
-        """
-        if self.device.type != "cuda":
-            return f"whole-step CUDA graphs need a CUDA device (this run: {self.device.type})"
-        if self.run_opts.grad_accumulation_factor != 1:
-            return "gradient accumulation (trainer.grad_accumulation_factor > 1) is not captured"
-        if self.distributed.world_size > 1:
-            return "DDP's gradient all-reduce is not captured (one process only)"
-        if self._cudagraphs:
-            return "torch.compile already replays CUDA graphs (trainer.compile_mode)"
-        if type(self).freeze_optimizers is not Brain.freeze_optimizers:
-            return "freeze_optimizers is overridden: a captured step would freeze its choice"
-        optimizers = list(self.optimizers_dict.values())
-        if not optimizers:
-            return "there is no optimizer"
-        if not all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers):
-            return (
-                "the optimizer is not fused (trainer.fused_optimizer=true): others decide on "
-                "the host whether to skip a step"
-            )
-        return None
-
-    def _set_up_step_graphs(self) -> None:
-        """With ``graph_step``, train through :class:`StepGraphs` unless something blocks it."""
-        self._step_graphs = None
-        if not self.run_opts.graph_step:
-            return
-        blocker = self.step_graph_blocker()
-        if blocker is not None:
-            logger.warning("trainer.graph_step: %s; the step runs as usual.", blocker)
-            return
-        if self._step_graphs_failed is not None:
-            logger.warning(
-                "trainer.graph_step: an earlier session of this run could not capture the "
-                "training step (%s); this one trains without whole-step graphs too, as the "
-                "uninterrupted run does.",
-                self._step_graphs_failed,
-            )
-            return
-        self._capturable = CapturableOptimizers(list(self.optimizers_dict.values()), self.device)
-        self._step_graphs = StepGraphs(
-            self._graph_safe_step,
-            self.static_batch,
-            self.copy_into_static,
-            warmup_steps=self.run_opts.graph_step_warmup,
-            max_shapes=self.run_opts.graph_step_max_shapes,
-            capture=self.device.type == "cuda",  # elsewhere (tests) the body runs eagerly
-            later_warmup_steps=self.graph_step_later_warmup(),
-        )
-        logger.info(
-            "trainer.graph_step: each batch shape's whole training step is captured as a CUDA "
-            "graph after %d eager steps (%d for the first shape), then replayed.",
-            self._step_graphs.later_warmup_steps,
-            self.run_opts.graph_step_warmup,
-        )
-
-    def graph_step_later_warmup(self) -> int:
-        """Eager steps of each batch shape after the first capture: ``graph_step_later_warmup``,
-        else one, or ``graph_step_warmup`` with compiled modules.
-
-        The run-wide state exists once a graph has been captured; what a new shape needs is
-        its own: cuDNN's algorithm search (one eager step) and, for compiled code, its
-        compile, which happens in the shape's second step (the first, checked for host reads,
-        runs compiled code eagerly; inductor cannot compile inside a capture). The device
-        CTC loss's compiled update needs none: its trial compile serves every shape.
-        """
-        if self.run_opts.graph_step_later_warmup is not None:
-            return self.run_opts.graph_step_later_warmup
-        return self.run_opts.graph_step_warmup if self._compiled else 1
-
-    def static_batch(self, batch: Any) -> Any:
-        """A copy of ``batch`` with tensors of its own: a captured step's inputs."""
-        return clone_tensors(batch)
-
-    def copy_into_static(self, static: Any, batch: Any) -> None:
-        """Copy ``batch``'s tensors into ``static`` (from :meth:`static_batch`)."""
-        for dst, src in zip(tensor_leaves(static), tensor_leaves(batch), strict=True):
-            dst.copy_(src, non_blocking=True)
-
-    def graph_input(self, batch: Any) -> Any:
-        """What a captured step reads of ``batch`` (subclasses drop host-side copies)."""
-        return batch
-
-    def _graph_safe_step(self, batch: Any) -> tuple[Any, ...]:
-        """The whole training step from device tensors alone: what :class:`StepGraphs`
-        warms up, captures and replays. Returns (outputs, loss, step info, loss scale)."""
-        assert self._capturable is not None
-        self.graph_safe_step = True
-        try:
-            # No autocast weight cache: its casts would be made once, at the capture.
-            outputs, loss = self._forward_backward(batch, autocast_cache=False)
-            loss = loss.detach()
-            self.amp_step.observe_loss(loss)
-            with self._capturable.during_step():
-                step_info = self.amp_step.step(self._stepped_optimizers())
-            return outputs, loss, step_info, self.amp_step.loss_scale()
-        finally:
-            self.graph_safe_step = False
-
-    def _fit_batch_graphed(self, batch: Any) -> torch.Tensor | None:
-        """``fit_batch`` through the step graphs; None when a capture failed (the caller
-        then trains on this batch as usual, and so does every later step)."""
-        assert self._step_graphs is not None and self._capturable is not None
-        # The batch goes into its graph's inputs while the previous step still runs: the
-        # flush then waits for that step, and the GPU idles only for the LR and the launch.
-        prepared = self._step_graphs.prepare(self.graph_input(batch))
-        self.flush_pending()  # the previous step's values (and the LR schedule) are read
-        self._capturable.refresh()
-        try:
-            outputs, loss, step_info, scale = self._step_graphs.run(prepared)
-        except CaptureFailed as err:
-            logger.warning(
-                "trainer.graph_step: the training step could not be captured as a CUDA graph "
-                "(%s); training goes on without whole-step graphs.",
-                err,
-            )
-            self._step_graphs, self._step_graphs_failed = None, str(err)
-            self.amp_step.reset()
-            self.zero_grad(set_to_none=True)
-            return None
-        self.ledger.record(self.step, loss, step_info, scale)
-        self.on_fit_batch_end(batch, outputs, loss, True)
-        return loss
-
-    def step_graph_stats(self) -> dict[str, int] | None:
-        """Graphs captured, replays and eager steps of ``graph_step`` (None: not in use)."""
-        return self._step_graphs.stats() if self._step_graphs is not None else None
-
-    # --------------------------------------------- validation as CUDA graphs
-    def scores_predictions(self) -> bool:
-        """Whether the recipe scores evaluated batches in :meth:`score_predictions`."""
-        return type(self).score_predictions is not Brain.score_predictions
-
-    def _set_up_eval_graphs(self) -> None:
-        """With ``graph_eval`` and training's step graphs in use, replay validation too."""
-        self._eval_graphs = None
-        if self._step_graphs is None or not self.run_opts.graph_eval:
-            return
-        if not self.scores_predictions():
-            logger.info(
-                "trainer.graph_eval: validation runs eagerly: %s scores inside "
-                "compute_objectives (override score_predictions to replay it as CUDA graphs).",
-                type(self).__name__,
-            )
-            return
-        self._eval_graphs = StepGraphs(
-            self._graph_safe_eval,
-            self.static_batch,
-            self.copy_into_static,
-            # the check for host reads and cuDNN's algorithm search; modules compiled for
-            # evaluation compile for a shape in its second pass (the first runs them eagerly)
-            warmup_steps=2 if self._compiled and self.run_opts.compile_eval else 1,
-            max_shapes=self.run_opts.graph_step_max_shapes,
-            capture=self.device.type == "cuda",
-        )
-        logger.info(
-            "trainer.graph_eval: each validation batch shape's forward pass and loss is "
-            "captured as a CUDA graph at its second validation, then replayed; the metrics "
-            "are scored on the host from the graph's outputs."
-        )
-
-    def _graph_safe_eval(self, batch: Any) -> tuple[Any, torch.Tensor]:
-        """A validation batch's forward pass and loss from device tensors alone (no
-        scoring): what the evaluation graphs warm up, capture and replay."""
-        self.graph_safe_step = True
-        try:
-            # No autocast weight cache: its casts would be made once, at the capture.
-            predictions, loss = self._eval_forward(batch, Stage.VALID, autocast_cache=False)
-            return predictions, loss.detach()
-        finally:
-            self.graph_safe_step = False
-
-    def _evaluate_batch_graphed(self, batch: Any) -> torch.Tensor | None:
-        """A validation batch through the evaluation graphs, then scored on the host;
-        None when its capture failed (the caller evaluates it eagerly, as every later
-        validation batch of the run)."""
-        assert self._eval_graphs is not None
-        try:
-            predictions, loss = self._eval_graphs(self.graph_input(batch))
-        except CaptureFailed as err:
-            logger.warning(
-                "trainer.graph_eval: a validation batch could not be captured as a CUDA graph "
-                "(%s); validation goes on eagerly.",
-                err,
-            )
-            self._eval_graphs = None
-            return None
-        self.score_predictions(predictions, batch, Stage.VALID)
-        return loss.cpu()
-
-    def eval_graph_stats(self) -> dict[str, int] | None:
-        """Graphs captured, replays and eager passes of ``graph_eval`` (None: not in use)."""
-        return self._eval_graphs.stats() if self._eval_graphs is not None else None
 
     def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a batch's loss over the ranks; under DDP the same all-reduce also
