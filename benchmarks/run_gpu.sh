@@ -66,6 +66,9 @@
 #     240 ms (bf16) wall each, validation 77 / 107 ms of them (eager: bf16 pays autocast's
 #     launches), training ~130 / ~112 ms; its 1.11x came from epochs 2-30, and epochs 2-3
 #     (the captures of 9 shapes and their 18 eager steps) took ~0.9 s of bf16's 4.2 s.
+#     Validation now replays CUDA graphs too (trainer.graph_eval, c691ec3): default_runs'
+#     epoch_split.md should show it at ~20-30 ms an epoch, and results.json eval_graphs;
+#     graph_tests runs test_captured_validation_scores_as_eager_validation_on_cuda.
 # activation_memory (~30 s, new on 2026-11-26) tests a prediction: on CUDA autocast runs
 # every LayerNorm in fp32 and each keeps an fp32 input for backward (the residual stream is
 # fp32 from block 1 on, as each block's final LayerNorm outputs fp32; the conv module's
