@@ -39,6 +39,7 @@ RESULTS_KEYS = [
     "skipped_files",
     "compile",
     "step_graphs",
+    "eval_graphs",
     "torch_version",
 ]
 
