@@ -793,6 +793,7 @@ def test_graph_step_on_a_cpu_logs_why_and_trains_as_usual(fsdd_root, prepared, t
         brain.on_fit_start()
     assert "need a CUDA device (this run: cpu)" in caplog.text
     assert brain.step_graph_stats() is None
+    assert brain.eval_graph_stats() is None  # validation graphs only with the step's
 
 
 def test_speed_perturbation_blocks_whole_step_graphs(fsdd_root, prepared, tmp_path):
