@@ -718,3 +718,92 @@ def test_a_background_save_of_nonfinite_weights_is_refused_by_the_writer(tmp_pat
     with pytest.raises(CheckpointError, match="'model' holds non-finite values"):
         ckpt.wait()
     assert [c.meta["epoch"] for c in ckpt.list_checkpoints()] == [1]
+
+
+def test_a_save_syncs_its_files_before_the_rename_and_the_folder_after_it(tmp_path, monkeypatch):
+    """A power loss or kernel crash after a save must leave the checkpoint whole or absent:
+    ``state.pt`` and ``meta.json`` reach the disk before the folder is renamed into place,
+    and the rename itself is made durable by syncing the checkpoints folder. Without the
+    file syncs the renamed folder could hold empty or partial files after a crash (the old
+    checkpoints already rotated away); nothing else in the suite would notice."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs):
+        events.append(("replace", f"{src} -> {dst}"))
+        return real_replace(src, dst, *args, **kwargs)
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd to name the synced files")
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    saved = Checkpointer(tmp_path, {"model": linear(1.0)}).save_checkpoint()
+
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "replace"]
+    assert len(renames) == 1 and events[renames[0]][1].endswith(f" -> {saved.path}")
+    before = {Path(path).name for kind, path in events[: renames[0]] if kind == "fsync"}
+    after = [Path(path) for kind, path in events[renames[0] :] if kind == "fsync"]
+    assert {"state.pt", "meta.json"} <= before, events
+    assert tmp_path.resolve() in [p.resolve() for p in after], events
+
+
+def test_a_kill_while_rotation_deletes_leaves_no_half_deleted_checkpoint(
+    tmp_path, monkeypatch, caplog
+):
+    """Rotation renames a checkpoint out of sight before removing its files: a kill in the
+    middle of the removal (here: after ``state.pt`` went) leaves a hidden leftover that the
+    next rotation clears, never a ``CKPT+*`` folder without its state, which every later
+    listing would warn about and no rotation would ever delete (it is not listed)."""
+    from amp_utils import checkpoint
+
+    model = linear(1.0)
+    ckpt = Checkpointer(tmp_path, {"model": model})
+    first = ckpt.save_checkpoint(meta={"epoch": 1})
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def killed_half_way(path, *args, **kwargs):
+        (Path(path) / "state.pt").unlink()
+        raise KeyboardInterrupt  # stands for the kill
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_and_keep_only(meta={"epoch": 2}, num_to_keep=1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+
+    resumed = Checkpointer(tmp_path, {"model": linear(0.0)})
+    with caplog.at_level(logging.WARNING):
+        listed = resumed.list_checkpoints()
+    assert [c.meta["epoch"] for c in listed] == [2] and "Skipping" not in caplog.text
+    resumed.keep_only(num_to_keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [listed[0].path.name]
+    assert not first.path.exists()
+
+
+def test_a_kill_while_a_save_writes_leaves_only_complete_checkpoints(tmp_path, monkeypatch, caplog):
+    """A kill inside ``torch.save`` (not an OSError: nothing cleans up after it) leaves the
+    half-written state under the temporary name only: the restarted run lists the earlier
+    checkpoint alone, without a warning, and its next rotation clears the leftover."""
+    from amp_utils import checkpoint
+
+    ckpt = Checkpointer(tmp_path, {"model": linear(1.0)})
+    first = ckpt.save_checkpoint(meta={"epoch": 1})
+
+    def killed_while_writing(obj, file, *args, **kwargs):
+        file.write(b"PK\x03\x04 half of a zip archive")
+        raise KeyboardInterrupt  # stands for the kill
+
+    monkeypatch.setattr(checkpoint.torch, "save", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(meta={"epoch": 2})
+    monkeypatch.undo()
+
+    resumed = Checkpointer(tmp_path, {"model": linear(0.0)})
+    with caplog.at_level(logging.WARNING):
+        assert [c.path for c in resumed.list_checkpoints()] == [first.path]
+    assert "Skipping" not in caplog.text
+    resumed.keep_only(num_to_keep=1)
+    assert [p.name for p in tmp_path.iterdir()] == [first.path.name]
