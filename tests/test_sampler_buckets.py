@@ -154,3 +154,29 @@ def test_negative_skip_says_what_to_pass() -> None:
         "skip_batches needs a count >= 0, got -1. Fix: pass the number of batches of this "
         "epoch already trained."
     )
+
+
+def test_the_epoch_fingerprint_tells_apart_every_plan_a_resume_could_meet() -> None:
+    """A mid-epoch resume skips the batches trained, which is exact only in the same plan;
+    the checkpoint's fingerprint is how a changed plan is noticed. Plans with the same batch
+    sizes but other utterances in them (another seed or epoch, SortaGrad's first epoch, the
+    items of a bucket batched differently) must get other fingerprints, and the same plan
+    the same one, whatever the sampler's resume position."""
+    durations = [1.0] * 24  # equal durations: every plan cuts the same batch sizes
+
+    def plan(epoch: int = 2, skip: int = 0, **options) -> tuple[list[list[int]], str]:
+        sampler = DurationBatchSampler(durations, 4.0, **{"seed": 1, "num_buckets": 3, **options})
+        sampler.set_epoch(epoch)
+        sampler.skip_batches(skip)
+        return sampler._all_batches(), sampler.epoch_fingerprint()
+
+    batches, fingerprint = plan()
+    assert plan(skip=3) == (batches, fingerprint)  # the position is not part of the plan
+    for other in (
+        plan(seed=2),
+        plan(epoch=3),
+        plan(epoch=1, ascending_epochs=1),
+        plan(shuffle=False),
+    ):
+        assert [len(b) for b in other[0]] == [len(b) for b in batches]  # sizes alike
+        assert other[0] != batches and other[1] != fingerprint
