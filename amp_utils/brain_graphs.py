@@ -23,6 +23,8 @@ It relies on the Brain for the rest: ``run_opts``, ``device``, ``optimizers_dict
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -129,12 +131,21 @@ class GraphedSteps:
         """What a captured step reads of ``batch`` (subclasses drop host-side copies)."""
         return batch
 
+    @contextmanager
+    def _graph_safe(self) -> Iterator[None]:
+        """``graph_safe_step`` set while a body that :class:`StepGraphs` may capture runs:
+        recipes then compute from device tensors only."""
+        self.graph_safe_step = True
+        try:
+            yield
+        finally:
+            self.graph_safe_step = False
+
     def _graph_safe_step(self, batch: Any) -> tuple[Any, ...]:
         """The whole training step from device tensors alone: what :class:`StepGraphs`
         warms up, captures and replays. Returns (outputs, loss, step info, loss scale)."""
         assert self._capturable is not None
-        self.graph_safe_step = True
-        try:
+        with self._graph_safe():
             # No autocast weight cache: its casts would be made once, at the capture.
             outputs, loss = self._forward_backward(batch, autocast_cache=False)
             loss = loss.detach()
@@ -142,8 +153,6 @@ class GraphedSteps:
             with self._capturable.during_step():
                 step_info = self.amp_step.step(self._stepped_optimizers())
             return outputs, loss, step_info, self.amp_step.loss_scale()
-        finally:
-            self.graph_safe_step = False
 
     def _fit_batch_graphed(self, batch: Any) -> torch.Tensor | None:
         """``fit_batch`` through the step graphs; None when a capture failed (the caller
@@ -199,20 +208,18 @@ class GraphedSteps:
         )
         logger.info(
             "trainer.graph_eval: each validation batch shape's forward pass and loss is "
-            "captured as a CUDA graph at its second validation, then replayed; the metrics "
-            "are scored on the host from the graph's outputs."
+            "captured as a CUDA graph after %d eager passes, then replayed; the metrics are "
+            "scored on the host from the graph's outputs.",
+            self._eval_graphs.warmup_steps,
         )
 
     def _graph_safe_eval(self, batch: Any) -> tuple[Any, torch.Tensor]:
         """A validation batch's forward pass and loss from device tensors alone (no
         scoring): what the evaluation graphs warm up, capture and replay."""
-        self.graph_safe_step = True
-        try:
+        with self._graph_safe():
             # No autocast weight cache: its casts would be made once, at the capture.
             predictions, loss = self._eval_forward(batch, Stage.VALID, autocast_cache=False)
             return predictions, loss.detach()
-        finally:
-            self.graph_safe_step = False
 
     def _evaluate_batch_graphed(self, batch: Any) -> torch.Tensor | None:
         """A validation batch through the evaluation graphs, then scored on the host;
