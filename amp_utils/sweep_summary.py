@@ -19,7 +19,6 @@ import io
 import json
 import logging
 import os
-import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -133,12 +132,17 @@ def _rated_without_warmup(results: RunResults) -> bool:
     return results.throughput.warmup_time_s is not None
 
 
+def _precision_rank(precision: str | None) -> int:
+    """Where a precision's rows go: fp32, fp16, bf16, then anything else."""
+    return _PRECISION_ORDER.index(precision) if precision in _PRECISION_ORDER else 99
+
+
 def _sort_key(run: dict[str, Any]) -> tuple:
     """Sort by overrides, keeping runs that differ only in precision together (fp32 first)."""
     precision = _precision_override(run["overrides"])
     if precision is None and run["results"] is not None:
         precision = run["results"].precision
-    rank = _PRECISION_ORDER.index(precision) if precision in _PRECISION_ORDER else 99
+    rank = _precision_rank(precision)
     return (_non_precision_overrides(run["overrides"]), rank, str(precision), run["name"])
 
 
@@ -363,10 +367,13 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
     groups = {key: by_seed for key, by_seed in groups.items() if len(by_seed) > 1}
     if not groups:
         return ""
-    rank = {p: i for i, p in enumerate(_PRECISION_ORDER)}
+
+    def order(key: tuple) -> tuple:  # by the precision trained in ("fp16, eval fp32": fp16)
+        trained = next(iter(groups[key].values())).precision
+        return (key[:4], _precision_rank(trained), key[4])
+
     rows = []
-    # a label's precision is its first word: "fp16, eval fp32" and "bf16 (auto)" too
-    for key in sorted(groups, key=lambda k: (k[:4], rank.get(re.split("[ ,]", k[4])[0], 99), k[4])):
+    for key in sorted(groups, key=order):
         by_seed = groups[key]
         reference = all_groups.get((*key[:4], "fp32")) or all_groups.get(
             (*key[:4], "fp32 (auto)"), {}
