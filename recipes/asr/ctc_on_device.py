@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from amp_utils.autocast import fwd_default_precision
+from amp_utils.compile import RECOMPILES
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,6 @@ def compiled_or_eager(device: torch.device) -> AlphaStep:
     grad mode is one of dynamo's guards, and validation's captured loss
     (``trainer.graph_eval``) would otherwise compile inside its first capture and fail it.
     """
-    from amp_utils.compile import RECOMPILES
-
     RECOMPILES.install()
     compiled = torch.compile(alpha_step, dynamic=True)
     try:
