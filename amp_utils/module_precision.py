@@ -14,12 +14,18 @@ names the attention of every block.
 ``apply_low_precision_norms`` goes the other way for LayerNorms: under autocast they take a
 bf16/fp16 copy of their input (the kernel still accumulates its statistics in fp32), where
 CUDA's autocast would run them in fp32 and keep an fp32 input for the backward pass.
+
+``apply_norm_saves_16bit`` changes only what such a LayerNorm keeps: its forward pass stays
+autocast's, bit for bit (fp32 math, fp32 output), but backward gets a bf16/fp16 copy of the
+*normalized* input (and the fp32 inverse standard deviation) instead of the fp32 input.
+Half the bytes, and the rounding touches the gradient only, relative to unit-variance values.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,8 @@ from amp_utils.autocast import fwd_default_precision
 FP32_MARK = "_runs_in_fp32"
 #: Attribute set on a LayerNorm that runs in the autocast dtype (applying twice wraps once).
 LOW_PRECISION_NORM_MARK = "_norm_in_autocast_dtype"
+#: Attribute set on a LayerNorm that keeps a 16-bit normalized input (applying twice wraps once).
+NORM_SAVES_16BIT_MARK = "_norm_saves_16bit"
 #: Module names listed in the error for a pattern that matches nothing.
 NAMES_SHOWN_IN_ERROR = 12
 
@@ -159,22 +167,117 @@ def run_norm_in_autocast_dtype(norm: nn.LayerNorm) -> None:
     setattr(norm, LOW_PRECISION_NORM_MARK, True)
 
 
-def apply_low_precision_norms(modules: Mapping[str, nn.Module] | nn.Module) -> list[str]:
-    """Run every ``nn.LayerNorm`` of ``modules`` in the autocast dtype (see
-    :func:`run_norm_in_autocast_dtype`), except those pinned to fp32 by
-    ``precision.fp32_modules`` (apply that first). Returns their names."""
+def autocast_runs_norms_in_fp32(device_type: str) -> bool:
+    """Whether autocast on ``device_type`` computes ``layer_norm`` in fp32 whatever its
+    input's dtype: CUDA's does (its fp32 op list); the CPU's computes in the input's dtype.
+    ``benchmarks/cuda_policy.py`` replaces it to count CUDA's choices on a CPU."""
+    return device_type == "cuda"
+
+
+class _LayerNormSaving16Bit(torch.autograd.Function):
+    """``F.layer_norm`` in fp32 that keeps ``(x - mean) * rstd`` in 16 bits for backward.
+
+    The backward pass is aten's LayerNorm backward on the normalized input with mean 0 and
+    inverse standard deviation 1, scaled by the kept ``rstd``: the same formula as from the
+    fp32 input (``dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))``, ``g = dy * weight``),
+    with ``x_hat`` rounded to ``dtype``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        normalized_shape: tuple[int, ...],
+        eps: float,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        x32 = x.float()
+        out, mean, rstd = torch.native_layer_norm(x32, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(((x32 - mean) * rstd).to(dtype), rstd, weight, bias)
+        ctx.normalized_shape, ctx.input_dtype = normalized_shape, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_hat, rstd, weight, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        mask = [needs[0], weight is not None and needs[1], bias is not None and needs[2]]
+        dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+            grad_out.float(),
+            x_hat.float(),
+            list(ctx.normalized_shape),
+            torch.zeros_like(rstd),
+            torch.ones_like(rstd),
+            weight,
+            bias,
+            mask,
+        )
+        if dx is not None:
+            dx = (dx * rstd).to(ctx.input_dtype)
+        return dx, dweight, dbias, None, None, None
+
+
+def run_norm_saving_16bit(norm: nn.LayerNorm) -> None:
+    """Make ``norm`` keep a 16-bit copy of its normalized input for backward where autocast
+    runs it in fp32 (CUDA, or an fp32 input on a CPU): the output is autocast's, bit for bit,
+    and the backward pass keeps half the bytes. No autocast, no gradients, or a LayerNorm
+    autocast already runs in 16 bits: the usual forward. The state dict is unchanged (an
+    instance attribute, applied once)."""
+    if getattr(norm, NORM_SAVES_16BIT_MARK, False):
+        return
+    usual = norm.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        dtype = autocast_dtype_for(x)
+        if dtype is None or not x.is_floating_point() or not torch.is_grad_enabled():
+            return usual(x)
+        if x.dtype != torch.float32 and not autocast_runs_norms_in_fp32(x.device.type):
+            return usual(x)  # autocast computes it in x's 16 bits and keeps x: nothing to gain
+        with torch.autocast(x.device.type, enabled=False):
+            return _LayerNormSaving16Bit.apply(
+                x, norm.weight, norm.bias, tuple(norm.normalized_shape), norm.eps, dtype
+            )
+
+    norm.forward = forward
+    setattr(norm, NORM_SAVES_16BIT_MARK, True)
+
+
+def _unpinned_layer_norms(modules: Mapping[str, nn.Module] | nn.Module) -> dict[str, nn.LayerNorm]:
+    """The ``nn.LayerNorm``s of ``modules`` by name, except those inside a module pinned to
+    fp32 by ``precision.fp32_modules`` (apply that first)."""
     named = named_modules_of(modules)
-    changed = []
-    for name, module in named.items():
-        pinned = any(
+    return {
+        name: module
+        for name, module in named.items()
+        if isinstance(module, nn.LayerNorm)
+        and not any(
             getattr(named[prefix], FP32_MARK, False)
             for prefix in _prefixes(name)
             if prefix in named
         )
-        if isinstance(module, nn.LayerNorm) and not pinned:
-            run_norm_in_autocast_dtype(module)
-            changed.append(name)
-    return changed
+    }
+
+
+def apply_low_precision_norms(modules: Mapping[str, nn.Module] | nn.Module) -> list[str]:
+    """Run every ``nn.LayerNorm`` of ``modules`` in the autocast dtype (see
+    :func:`run_norm_in_autocast_dtype`), except those pinned to fp32 by
+    ``precision.fp32_modules`` (apply that first). Returns their names."""
+    norms = _unpinned_layer_norms(modules)
+    for norm in norms.values():
+        run_norm_in_autocast_dtype(norm)
+    return list(norms)
+
+
+def apply_norm_saves_16bit(modules: Mapping[str, nn.Module] | nn.Module) -> list[str]:
+    """Have every ``nn.LayerNorm`` of ``modules`` keep a 16-bit normalized input for
+    backward (see :func:`run_norm_saving_16bit`), except those pinned to fp32 by
+    ``precision.fp32_modules`` (apply that first). Returns their names."""
+    norms = _unpinned_layer_norms(modules)
+    for norm in norms.values():
+        run_norm_saving_16bit(norm)
+    return list(norms)
 
 
 def _prefixes(name: str) -> list[str]:

@@ -24,26 +24,38 @@ import time
 import torch
 from torch import nn
 
-from amp_utils.module_precision import apply_low_precision_norms, run_in_fp32
+from amp_utils.module_precision import (
+    apply_low_precision_norms,
+    apply_norm_saves_16bit,
+    run_in_fp32,
+)
 from amp_utils.saved_activations import activation_memory
 from benchmarks.cuda_policy import use_cuda_kernel_choices
 from recipes.asr.model import ConformerCTC
 
+#: How the LayerNorms run, each counted in turn (see :func:`cuda_policy_conformer`).
+NORM_CHOICES = ("autocast", "low_precision", "saves_16bit")
 #: conf/model/conformer_ctc_m.yaml with experiment=gpu_asr's 80 mel bands
 CONFORMER_M = dict(n_mels=80, d_model=256, num_layers=16, num_heads=4, ffn_dim=1024, conv_kernel=31)
 
 
 def cuda_policy_conformer(sizes: dict, norms: str) -> nn.Module:
     """A Conformer of ``sizes`` (seeded) with its LayerNorms as CUDA's autocast runs them
-    (``"autocast"``) or with ``precision.low_precision_norms`` (``"low_precision"``)."""
+    (``"autocast"``), with ``precision.low_precision_norms`` (``"low_precision"``) or with
+    ``precision.norm_saves_16bit`` (``"saves_16bit"``; under :func:`use_cuda_kernel_choices`,
+    which has them compute in fp32 as on CUDA)."""
     torch.manual_seed(0)
     model = ConformerCTC(**sizes).train()
     if norms == "autocast":
         for module in model.modules():
             if isinstance(module, nn.LayerNorm):
                 run_in_fp32(module)  # CUDA's autocast: layer_norm in fp32 (input cast up)
-    else:
+    elif norms == "low_precision":
         apply_low_precision_norms(model)
+    elif norms == "saves_16bit":
+        apply_norm_saves_16bit(model)
+    else:
+        raise ValueError(f"norms={norms!r}: choose autocast, low_precision or saves_16bit")
     return model
 
 
@@ -60,7 +72,7 @@ def main() -> None:
     use_cuda_kernel_choices()
     feats = torch.randn(args.batch, args.frames, CONFORMER_M["n_mels"])
     lens = torch.full((args.batch,), args.frames)
-    for norms in ("autocast", "low_precision"):
+    for norms in NORM_CHOICES:
         model = conformer_m(norms)
         start = time.perf_counter()
 

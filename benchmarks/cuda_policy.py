@@ -6,7 +6,8 @@ Two parts, used by the CPU counts of ``benchmarks/activation_memory_cuda_policy.
 - ``cuda_kernel_choices()`` / ``use_cuda_kernel_choices()``: ``amp_utils.fast_kernels``
   computes as it does on CUDA (its CPU-only choices off: attention and depthwise
   convolutions in the autocast dtype, convolutions in fp16, CUDA's dropout with its
-  one-byte bool mask);
+  one-byte bool mask), and ``amp_utils.module_precision`` takes autocast to compute
+  LayerNorms in fp32 as CUDA's does (``precision.norm_saves_16bit``);
 - ``cuda_fp32_ops()``: CUDA autocast's fp32 op lists under CPU autocast.
 
 CPU and CUDA autocast keep different op lists. CUDA's runs reductions, softmaxes, norms,
@@ -35,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 import amp_utils.fast_kernels as fast_kernels
+import amp_utils.module_precision as module_precision
 
 #: The ``amp_utils.fast_kernels`` names that hold its CPU-only choices.
 _CPU_CHOICES = ("_SLOW_ON_CPU", "_depthwise_on_cpu", "fp16_on_cpu", "dropout")
@@ -63,18 +65,21 @@ def use_cuda_kernel_choices() -> None:
     fast_kernels._depthwise_on_cpu = lambda conv, x: False
     fast_kernels.fp16_on_cpu = lambda x: False
     fast_kernels.dropout = cuda_dropout
+    module_precision.autocast_runs_norms_in_fp32 = lambda device_type: True
 
 
 @contextmanager
 def cuda_kernel_choices() -> Iterator[None]:
     """:func:`use_cuda_kernel_choices` inside the block only (for tests)."""
     saved = {name: getattr(fast_kernels, name) for name in _CPU_CHOICES}
+    norms_in_fp32 = module_precision.autocast_runs_norms_in_fp32
     use_cuda_kernel_choices()
     try:
         yield
     finally:
         for name, value in saved.items():
             setattr(fast_kernels, name, value)
+        module_precision.autocast_runs_norms_in_fp32 = norms_in_fp32
 
 
 #: CUDA autocast's ``fp32`` and ``fp32_set_opt_dtype`` ops, by the Python functions that

@@ -25,6 +25,9 @@
 #                      compiled (on the H100, LayerNorm and casts were most of an eager bf16
 #                      Conformer-M step, and inductor fuses them): fp32, TF32, bf16 x
 #                      bare/brain/staged
+#   bench_m_norm_saves bench_m_graphs' bf16 Brain and staged rows with
+#                      precision.norm_saves_16bit=true (time and peak memory of LayerNorms
+#                      that keep a bf16 normalized input for backward)
 #   bench_m_depthwise  bench_m_graphs' bf16 Brain row with device.cuda_depthwise=torch, cudnn, unfold
 #                      (the Conformer's depthwise convolutions channels-last, run by cuDNN:
 #                      PyTorch's own depthwise kernels took ~6 ms of each step on 2026-11-27)
@@ -123,6 +126,7 @@ BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
 M_GRAPHS_PRECISIONS=${M_GRAPHS_PRECISIONS:-[fp32,bf16,fp16]}  # of bench_m_graphs (fp32 brings TF32 too)
 M_DEPTHWISE_PRECISIONS=${M_DEPTHWISE_PRECISIONS:-[bf16]}  # of bench_m_depthwise (each run: these)
 M_DEPTHWISE_WAYS=${M_DEPTHWISE_WAYS:-"torch cudnn unfold"}  # device.cuda_depthwise values, in order
+BENCH_M_NORM_SAVES_LIMIT=${BENCH_M_NORM_SAVES_LIMIT:-100}  # one bf16 Brain and staged row (~60 s: the compile; not measured yet)
 BENCH_M_DEPTHWISE_LIMIT=${BENCH_M_DEPTHWISE_LIMIT:-90}  # seconds for each of its runs (~60 s: the compile)
 BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-290}  # seconds for bench_m_graphs (4 variants, ~45-95 s each; 186 s for 3 on 2026-11-27)
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
@@ -137,7 +141,7 @@ GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
 DEFAULT_RUNS_LIMIT=${DEFAULT_RUNS_LIMIT:-200}  # seconds for default_runs (not measured yet)
 DEFAULT_PRECISIONS=${DEFAULT_PRECISIONS:-fp32,bf16}  # precisions of default_runs, in order
 DEFAULT_EXTRA=${DEFAULT_EXTRA:-}   # extra overrides for default_runs (dry runs: fewer epochs)
-ACT_MEM_LIMIT=${ACT_MEM_LIMIT:-60}  # seconds for each of activation_memory's 2 runs (not measured yet)
+ACT_MEM_LIMIT=${ACT_MEM_LIMIT:-60}  # seconds for each of activation_memory's 3 runs (not measured yet)
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
 GRAPH_TESTS_K=${GRAPH_TESTS_K:-}   # pytest -k expression of graph_tests (default: all of them)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
@@ -207,6 +211,13 @@ part_bench_m_graphs() {
     benchmark.precisions="$M_GRAPHS_PRECISIONS" benchmark.modes=[bare,brain,staged] \
     benchmark.profile_steps=3
 }
+# bench_m_norm_saves: bench_m_graphs' bf16 Brain row with precision.norm_saves_16bit=true (the
+# LayerNorms keep a bf16 normalized input for backward: its time and peak against that row)
+part_bench_m_norm_saves() {
+  bench_m_run bench_m_norm_saves "$BENCH_M_NORM_SAVES_LIMIT" fast_path=step_graphs \
+    $COMPILED_GRAPHS precision.norm_saves_16bit=true benchmark.precisions=[bf16] \
+    benchmark.tf32_baseline=false benchmark.modes=[brain,staged] benchmark.profile_steps=3
+}
 # bench_m_depthwise: bench_m_graphs' Brain row in M_DEPTHWISE_PRECISIONS with each way of
 # computing the depthwise convolutions (PyTorch's own kernels, cuDNN's, inductor's fused
 # window sums): an A/B/C on one machine
@@ -271,12 +282,17 @@ part_default_runs() {
 }
 
 # activation_memory: the bytes autograd keeps for one of the sweep's batches, fp32 and bf16
-# (eager: diagnose hooks every module), as trained and with precision.low_precision_norms
+# (eager: diagnose hooks every module), as trained, with precision.low_precision_norms
+# (norms_true) and with precision.norm_saves_16bit (norms_saves)
 part_activation_memory() {
-  local norms
-  for norms in false true; do
+  local norms low saves
+  for norms in false true saves; do
+    low=false saves=false
+    [ "$norms" = true ] && low=true
+    [ "$norms" = saves ] && saves=true
     run_part "activation_memory_norms_$norms" "$ACT_MEM_LIMIT" python3 recipes/diagnose.py \
-      experiment=gpu_asr precision=bf16 precision.low_precision_norms=$norms device="$DEVICE" \
+      experiment=gpu_asr precision=bf16 precision.low_precision_norms=$low \
+      precision.norm_saves_16bit=$saves device="$DEVICE" \
       fast_path=none trainer.compile=false diagnose.batches=1 data.num_train="$BENCH_UTTS" \
       data.max_batch_seconds="$TRAIN_BATCH" $M_EXTRA \
       hydra.run.dir="$WORK/activation_memory_norms_$norms"
@@ -306,14 +322,16 @@ part_graph_tests() {
 # --only-binary=:all: --platform manylinux2014_x86_64 --no-deps -d .whl), else decode greedily.
 DECODER=
 python3 -c "import flashlight.lib.text" 2>/dev/null || DECODER=model.decoder=greedy
-# An entry of SWEEP_PRECISIONS is a precision, or <precision>_low_norms for the same run with
-# precision.low_precision_norms=true (its accuracy against the plain run: e.g.
-# SWEEP_PRECISIONS="bf16 bf16_low_norms fp32").
+# An entry of SWEEP_PRECISIONS is a precision, <precision>_low_norms for the same run with
+# precision.low_precision_norms=true, or <precision>_norm_saves with
+# precision.norm_saves_16bit=true (their accuracy against the plain run: e.g.
+# SWEEP_PRECISIONS="bf16 bf16_norm_saves fp32").
 sweep_run() {  # sweep_run ENTRY: one training run of the sweep
-  local precision=${1%_low_norms} norms=false
+  local precision=${1%_low_norms} norms=false saves=false
   [ "$precision" != "$1" ] && norms=true
+  [ "${1%_norm_saves}" != "$1" ] && precision=${1%_norm_saves} && saves=true
   python3 recipes/train.py -m experiment=gpu_asr precision="$precision" \
-    precision.low_precision_norms=$norms \
+    precision.low_precision_norms=$norms precision.norm_saves_16bit=$saves \
     device="$DEVICE" data.num_train="$TRAIN_UTTS" data.max_batch_seconds="$TRAIN_BATCH" \
     trainer.epochs="$TRAIN_EPOCHS" model.warmup_steps="$TRAIN_WARMUP" trainer.noprogressbar=true \
     device.num_workers="$TRAIN_WORKERS" $DECODER $M_EXTRA \
@@ -374,7 +392,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     "$WORK"/bench_graphs_brain/benchmark.md "$WORK"/bench_m_depthwise_*/benchmark.md \
     "$WORK"/bench_graphs_low_norms/benchmark.md \
     "$WORK"/bench_graphs_compiled/benchmark.md \
-    "$WORK"/bench_m_graphs/benchmark.md \
+    "$WORK"/bench_m_graphs/benchmark.md "$WORK"/bench_m_norm_saves/benchmark.md \
     "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory_norms_*/activation_memory.md \
     "$WORK"/activation_memory_norms_*/step_operations.md \
     "$WORK"/default_runs/summary.md "$WORK"/default_runs/epoch_split.md \

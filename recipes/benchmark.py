@@ -89,6 +89,7 @@ def _benchmark(cfg: DictConfig, device: torch.device, data: DataBundle) -> list[
         + (f" ({t.compile_mode}, regions={t.compile_regions})" if t.compile else "")
         + f"; graph_step={t.graph_step}; fused_weight_casts={cfg.precision.fused_weight_casts}"
         + f"; low_precision_norms={cfg.precision.low_precision_norms}"
+        + f"; norm_saves_16bit={cfg.precision.norm_saves_16bit}"
         + f"; cuda_depthwise={cfg.device.cuda_depthwise}"
         + "\n\n"
     )

@@ -487,6 +487,13 @@ def validate_config(cfg: DictConfig) -> None:
         _choice(cfg, "model.decoder", DECODERS)
         _choice(cfg, "model.valid_decoder", DECODERS)
         _positive(cfg, "model.beam_size", integer=True)
+    if cfg.precision.low_precision_norms and cfg.precision.norm_saves_16bit:
+        raise ConfigError(
+            "precision.low_precision_norms and precision.norm_saves_16bit cannot both be on: "
+            "the first computes the LayerNorms in 16 bits, the second keeps their fp32 "
+            "computation and saves 16 bits for backward. Pick one (e.g. "
+            "precision.low_precision_norms=false)."
+        )
     _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
     _choice(cfg, "trainer.compile_backend", COMPILE_BACKENDS)
     _choice(cfg, "trainer.distributed_backend", BACKENDS)

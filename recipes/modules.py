@@ -10,7 +10,11 @@ import torch
 from omegaconf import DictConfig
 
 from amp_utils.fast_kernels import use_cuda_depthwise
-from amp_utils.module_precision import apply_fp32_modules, apply_low_precision_norms
+from amp_utils.module_precision import (
+    apply_fp32_modules,
+    apply_low_precision_norms,
+    apply_norm_saves_16bit,
+)
 from recipes.augment import build_augment, build_wave_augment
 from recipes.frontend import build_features
 from recipes.tasks import task_for
@@ -33,6 +37,7 @@ def build_modules(
     ``augment`` (SpecAugment) on the features; both only in training. Inference passes
     ``augment=False``. ``precision.fp32_modules`` pins the named modules to fp32;
     ``precision.low_precision_norms`` runs the other LayerNorms in the autocast dtype;
+    ``precision.norm_saves_16bit`` has them keep a 16-bit normalized input for backward;
     ``device.cuda_depthwise`` picks how depthwise convolutions compute on CUDA.
     """
     modules: dict[str, torch.nn.Module] = {
@@ -49,6 +54,8 @@ def build_modules(
     apply_fp32_modules(modules, list(cfg.precision.get("fp32_modules") or []))
     if cfg.precision.get("low_precision_norms", False):
         apply_low_precision_norms(modules)
+    if cfg.precision.get("norm_saves_16bit", False):
+        apply_norm_saves_16bit(modules)
     if cfg.device.get("cuda_depthwise", "torch") != "torch":
         use_cuda_depthwise(modules, str(cfg.device.cuda_depthwise))
     return modules

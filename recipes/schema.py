@@ -71,6 +71,14 @@ class PrecisionConfig:
             "them in fp32"
         },
     )
+    norm_saves_16bit: bool = field(
+        default=False,
+        metadata={
+            "help": "LayerNorms that autocast runs in fp32 (CUDA) keep a bf16/fp16 copy of "
+            "their normalized input for backward instead of the fp32 input: the forward pass "
+            "unchanged, half their saved activations"
+        },
+    )
     fused_weight_casts: bool = field(
         default=True,
         metadata={

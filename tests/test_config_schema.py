@@ -146,8 +146,18 @@ def test_eval_precision_defaults_to_the_training_precision(precision):
         "allow_tf32": False,
         "fp32_modules": [],
         "low_precision_norms": False,
+        "norm_saves_16bit": False,
         "fused_weight_casts": True,
     }
+
+
+def test_both_ways_of_halving_the_layer_norms_saves_are_refused_together():
+    cfg = compose_config(
+        ["precision=bf16", "precision.low_precision_norms=true", "precision.norm_saves_16bit=true"]
+    )
+    with pytest.raises(ConfigError, match="cannot both be on.*Pick one"):
+        validate_config(cfg)
+    validate_config(compose_config(["precision=bf16", "precision.norm_saves_16bit=true"]))
 
 
 def test_every_data_set_gets_the_shared_spec_augment():

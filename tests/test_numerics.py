@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from amp_utils import Brain, fwd_default_precision
@@ -807,3 +808,187 @@ def test_low_precision_norms_from_the_config_reach_every_layer_norm():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = plain(feats, lens)[0].float(), changed(feats, lens)[0].float()
     assert (a - b).norm() / a.norm() < 0.02
+
+
+# ------------------------------------------------------------------ norm_saves_16bit
+
+
+def affine_norm_block(shape: int | tuple[int, ...] = 16, **norm_kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.norm = nn.LayerNorm(shape, **norm_kwargs)
+    model.pinned = nn.Sequential(nn.LayerNorm(shape, **norm_kwargs))
+    for norm in (model.norm, model.pinned[0]):
+        with torch.no_grad():
+            if norm.weight is not None:
+                norm.weight.uniform_(0.5, 1.5)
+            if norm.bias is not None:
+                norm.bias.uniform_(-1.0, 1.0)
+    return model
+
+
+def grads_of(model: nn.Module, x: torch.Tensor, dtype: torch.dtype, grad: torch.Tensor):
+    """The norm's output under ``dtype`` autocast and the gradients of x, weight, bias."""
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        out = model.norm(x)
+    out.backward(grad)
+    params = [p.grad for p in model.norm.parameters()]
+    return out, [x.grad, *params]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, kwargs",
+    [(16, {}), ((4, 8), {}), (16, {"bias": False}), (16, {"elementwise_affine": False})],
+    ids=["affine", "two_dims", "no_bias", "no_affine"],
+)
+def test_norm_saves_16bit_keeps_the_forward_and_halves_what_backward_keeps(dtype, shape, kwargs):
+    """Under autocast a LayerNorm on an fp32 input computes in fp32 as before, bit for bit;
+    backward keeps a 16-bit normalized input (half the input's bytes) and the gradients of
+    the input, weight and bias stay within that format's rounding of fp32's. Pinned modules
+    are left alone; outside autocast and without gradients nothing changes."""
+    from amp_utils.module_precision import apply_norm_saves_16bit
+    from amp_utils.saved_activations import dtype_name, measure_saved
+
+    model, reference = affine_norm_block(shape, **kwargs), affine_norm_block(shape, **kwargs)
+    apply_fp32_modules(model, ["pinned"])
+    assert apply_norm_saves_16bit(model) == ["norm"]
+    assert apply_norm_saves_16bit(model) == ["norm"]  # applied once
+    normalized = (shape,) if isinstance(shape, int) else shape
+    x = torch.randn(64, 5, *normalized) * 3 + 1
+    grad = torch.randn_like(x)
+    out, grads = grads_of(model, x, dtype, grad)
+    expected_out, expected = grads_of(reference, x, dtype, grad)
+    assert out.dtype == torch.float32 and torch.equal(out, expected_out)
+    assert len(grads) == len(expected) == 1 + sum(1 for _ in reference.norm.parameters())
+    names = ["input", *(name for name, _ in reference.norm.named_parameters())]
+    for name, got, want in zip(names, grads, expected):
+        assert got.dtype == want.dtype == torch.float32
+        if name == "bias":  # the sum of the output's gradient: nothing rounded
+            assert torch.equal(got, want)
+        else:  # from the rounded normalized input
+            assert 0 < (got - want).norm() <= 2 * torch.finfo(dtype).eps * want.norm()
+    xg = x.clone().requires_grad_()  # backward keeps something without weights too
+    saved = measure_saved(model.norm, lambda: model.norm(xg), "cpu", dtype)
+    full = measure_saved(reference.norm, lambda: reference.norm(xg), "cpu", dtype)
+    assert saved.by_dtype[dtype_name(dtype)] == x.numel() * 2  # the normalized copy
+    assert saved.total < 0.6 * full.total
+    pinned = measure_saved(model.pinned, lambda: model.pinned(xg), "cpu", dtype)
+    assert pinned.by_dtype == full.by_dtype  # pinned to fp32: unchanged
+    assert torch.equal(model.norm(x), reference.norm(x))  # no autocast: the usual norm
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        assert torch.equal(model.norm(x), reference.norm(x))
+    assert model.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_norm_saves_16bit_backward_is_layer_norms_backward_from_the_normalized_input():
+    """Kept in fp32 (no rounding), the normalized input with mean 0 and inverse standard
+    deviation 1, scaled back by the kept one, gives aten's LayerNorm gradients exactly."""
+    from amp_utils.module_precision import _LayerNormSaving16Bit
+
+    torch.manual_seed(1)
+    norm = affine_norm_block((4, 8)).norm
+    x = (torch.randn(6, 7, 4, 8) * 5 - 2).requires_grad_()
+    y = x.detach().clone().requires_grad_()
+    grad = torch.randn_like(x)
+    norm(x).backward(grad)
+    expected = [x.grad, *(p.grad.clone() for p in norm.parameters())]
+    norm.zero_grad()
+    out = _LayerNormSaving16Bit.apply(y, norm.weight, norm.bias, (4, 8), norm.eps, torch.float32)
+    out.backward(grad)
+    for got, want in zip([y.grad, *(p.grad for p in norm.parameters())], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_saves_16bit_on_a_16bit_input_follows_the_devices_autocast(monkeypatch):
+    """A bf16 input: where autocast computes LayerNorm in fp32 (CUDA, emulated here) the
+    norm computes it in fp32 too, bit for bit, and keeps the 16-bit normalized copy; where
+    it computes in the input's dtype (a CPU) the usual norm runs, as it keeps 16 bits already."""
+    import amp_utils.module_precision as module_precision
+
+    model, reference = affine_norm_block(), affine_norm_block()
+    module_precision.apply_norm_saves_16bit(model)
+    x = torch.randn(32, 16, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model.norm(x), reference.norm(x))  # CPU autocast: bf16 norm
+        assert model.norm(x).dtype == torch.bfloat16
+    monkeypatch.setattr(module_precision, "autocast_runs_norms_in_fp32", lambda device: True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.norm(x)
+    n = reference.norm
+    assert out.dtype == torch.float32
+    assert torch.equal(out, F.layer_norm(x.float(), n.normalized_shape, n.weight, n.bias, n.eps))
+    out.sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+
+
+def test_norm_saves_16bit_compiles_without_a_graph_break():
+    """Inside a compiled region (the fast path compiles Conformer blocks) the norm traces
+    into one graph and gives the eager output and gradients."""
+    from amp_utils.module_precision import apply_norm_saves_16bit
+
+    model = affine_norm_block()
+    apply_norm_saves_16bit(model)
+    compiled = torch.compile(model.norm, backend="aot_eager", fullgraph=True)
+    x = torch.randn(64, 16) * 3 + 1
+    grad = torch.randn_like(x)
+    eager_out, eager_grads = grads_of(model, x, torch.bfloat16, grad)
+    model.zero_grad()
+    x2 = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x2)
+    out.backward(grad)
+    assert torch.equal(out, eager_out)
+    for got, want in zip([x2.grad, *(p.grad for p in model.norm.parameters())], eager_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_norm_saves_16bit_from_the_config_keeps_the_models_loss_under_cudas_norms(monkeypatch):
+    """precision.norm_saves_16bit=true marks every LayerNorm of the recipe's model. With
+    LayerNorms computed in fp32 as on CUDA (emulated), a bf16 training forward pass gives
+    the plain model's loss bit for bit and gradients within bf16's rounding; on a CPU (whose
+    autocast keeps the Conformer's residual stream in bf16) nothing changes at all."""
+    import amp_utils.module_precision as module_precision
+    from amp_utils.module_precision import NORM_SAVES_16BIT_MARK
+    from benchmarks.cuda_policy import cuda_fp32_ops
+    from recipes.modules import build_modules
+    from tests.recipe_helpers import compose_config
+
+    plain = build_modules(compose_config(["precision=bf16"]), ("s",))["model"]
+    cfg = compose_config(["precision=bf16", "precision.norm_saves_16bit=true"])
+    changed = build_modules(cfg, ("s",))["model"]
+    changed.load_state_dict(plain.state_dict())
+    norms = [m for m in changed.modules() if isinstance(m, nn.LayerNorm)]
+    assert norms and all(getattr(m, NORM_SAVES_16BIT_MARK, False) for m in norms)
+    assert not any(getattr(m, NORM_SAVES_16BIT_MARK, False) for m in plain.modules())
+    torch.manual_seed(0)
+    feats, lens = torch.randn(3, 90, cfg.data.features.n_mels), torch.tensor([90, 70, 50])
+
+    def loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        torch.manual_seed(5)  # the same dropout masks
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(feats, lens)[0].float().square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    calls = []
+    apply = module_precision._LayerNormSaving16Bit.apply
+    monkeypatch.setattr(
+        module_precision._LayerNormSaving16Bit,
+        "apply",
+        lambda *args: calls.append(1) or apply(*args),
+    )
+    cpu_loss, cpu_grads = loss_and_grads(plain)
+    assert torch.equal(loss_and_grads(changed)[0], cpu_loss) and not calls
+    monkeypatch.setattr(module_precision, "autocast_runs_norms_in_fp32", lambda device: True)
+    with cuda_fp32_ops() as cuda_ops:  # CUDA autocast's fp32 ops (layer_norm among them)
+        plain_loss, plain_grads = loss_and_grads(plain)
+        changed_loss, changed_grads = loss_and_grads(changed)
+    assert cuda_ops.calls > 0
+    assert len(calls) == len(norms)  # every norm on CUDA's path once
+    assert torch.equal(changed_loss, plain_loss)
+    flat = torch.cat([g.flatten() for g in plain_grads])
+    diff = torch.cat([(a - b).flatten() for a, b in zip(changed_grads, plain_grads)])
+    assert 0 < diff.norm() < 0.02 * flat.norm()

@@ -178,7 +178,7 @@ def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes():
     feats, lens = torch.randn(1, 64, 80), torch.tensor([64])
     kept = {}
     with cuda_kernel_choices():
-        for norms in ("autocast", "low_precision"):
+        for norms in ("autocast", "low_precision", "saves_16bit"):
             model = conformer_m(norms)
             memory = activation_memory(
                 model,
@@ -193,6 +193,11 @@ def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes():
     autocast, low = kept["autocast"]["LayerNorm"], kept["low_precision"]["LayerNorm"]
     assert autocast["low"] == autocast["fp32"]  # fp32 copies of the inputs
     assert low["low"] < 0.6 * low["fp32"]
+    # norm_saves_16bit: autocast's fp32 LayerNorms keep a bf16 normalized input (and their
+    # fp32 inverse standard deviations, not the means the low-precision norms keep too)
+    saves_16bit = kept["saves_16bit"]["LayerNorm"]
+    assert saves_16bit["fp32"] == autocast["fp32"]
+    assert saves_16bit["low"] < low["low"] < 0.6 * autocast["low"]
     # CUDA's dropout keeps a one-byte bool mask in both precisions (the CPU's F.dropout a
     # mask in the input's dtype: 4 bytes in fp32, which overstated bf16's saving)
     dropout = kept["autocast"]["Dropout"]
