@@ -863,7 +863,7 @@ def test_norm_saves_16bit_keeps_the_forward_and_halves_what_backward_keeps(dtype
     assert out.dtype == torch.float32 and torch.equal(out, expected_out)
     assert len(grads) == len(expected) == 1 + sum(1 for _ in reference.norm.parameters())
     names = ["input", *(name for name, _ in reference.norm.named_parameters())]
-    for name, got, want in zip(names, grads, expected):
+    for name, got, want in zip(names, grads, expected, strict=True):
         assert got.dtype == want.dtype == torch.float32
         if name == "bias":  # the sum of the output's gradient: nothing rounded
             assert torch.equal(got, want)
@@ -897,7 +897,7 @@ def test_norm_saves_16bit_backward_is_layer_norms_backward_from_the_normalized_i
     norm.zero_grad()
     out = _LayerNormSaving16Bit.apply(y, norm.weight, norm.bias, (4, 8), norm.eps, torch.float32)
     out.backward(grad)
-    for got, want in zip([y.grad, *(p.grad for p in norm.parameters())], expected):
+    for got, want in zip([y.grad, *(p.grad for p in norm.parameters())], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -940,7 +940,9 @@ def test_norm_saves_16bit_compiles_without_a_graph_break():
         out = compiled(x2)
     out.backward(grad)
     assert torch.equal(out, eager_out)
-    for got, want in zip([x2.grad, *(p.grad for p in model.norm.parameters())], eager_grads):
+    for got, want in zip(
+        [x2.grad, *(p.grad for p in model.norm.parameters())], eager_grads, strict=True
+    ):
         torch.testing.assert_close(got, want)
 
 
@@ -990,5 +992,5 @@ def test_norm_saves_16bit_from_the_config_keeps_the_models_loss_under_cudas_norm
     assert len(calls) == len(norms)  # every norm on CUDA's path once
     assert torch.equal(changed_loss, plain_loss)
     flat = torch.cat([g.flatten() for g in plain_grads])
-    diff = torch.cat([(a - b).flatten() for a, b in zip(changed_grads, plain_grads)])
+    diff = torch.cat([(a - b).flatten() for a, b in zip(changed_grads, plain_grads, strict=True)])
     assert 0 < diff.norm() < 0.02 * flat.norm()
