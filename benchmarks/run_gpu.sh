@@ -309,7 +309,7 @@ part_graph_tests() {
   run_part graph_tests "$GRAPH_TESTS_LIMIT" python3 -m pytest -m gpu -v -p no:cacheprovider \
     --no-header ${GRAPH_TESTS_K:+-k "$GRAPH_TESTS_K"} tests/test_weight_casts.py \
     tests/test_step_graphs.py tests/test_ctc_on_device.py tests/test_fast_kernels.py \
-    tests/test_brain.py
+    tests/test_brain.py tests/test_saved_activations.py
 }
 
 # sweep: precision sweep of experiment=gpu_asr. The precisions train at the same time on the

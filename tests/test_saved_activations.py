@@ -167,6 +167,32 @@ def test_low_precision_norms_keep_fewer_bytes_on_cuda(cuda_device):
     assert (a - b).norm() / a.norm() < 0.02
 
 
+@pytest.mark.gpu
+def test_norm_saves_16bit_keeps_fewer_bytes_on_cuda_with_the_same_logits(cuda_device):
+    """On CUDA ``precision.norm_saves_16bit`` keeps bf16 normalized inputs where autocast's
+    fp32 LayerNorms keep fp32 inputs: fewer fp32 and fewer bytes in all, the same logits
+    bit for bit (the forward pass is autocast's)."""
+    from amp_utils.module_precision import apply_norm_saves_16bit
+
+    torch.manual_seed(0)
+    sizes = dict(n_mels=40, d_model=64, num_layers=2, num_heads=4, ffn_dim=128, dropout=0.0)
+    plain = ConformerCTC(**sizes).to(cuda_device).train()
+    changed = ConformerCTC(**sizes).to(cuda_device).train()
+    changed.load_state_dict(plain.state_dict())
+    assert len(apply_norm_saves_16bit(changed)) == 2 * 6
+    feats = torch.randn(4, 400, 40, device=cuda_device)
+    lens = torch.full((4,), 400, device=cuda_device)
+    saved = {
+        name: measure_saved(model, lambda m=model: m(feats, lens)[0], "cuda", torch.bfloat16)
+        for name, model in (("plain", plain), ("changed", changed))
+    }
+    assert saved["changed"].by_dtype.get("fp32", 0) < 0.5 * saved["plain"].by_dtype["fp32"]
+    assert saved["changed"].total < saved["plain"].total
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = plain(feats, lens)[0], changed(feats, lens)[0]
+    assert torch.equal(a, b)
+
+
 def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes():
     """benchmarks/activation_memory_cuda_policy.py: with CUDA's choices emulated, the
     LayerNorms keep fp32 under bf16 (as CUDA's autocast runs them) and half of it in bf16

@@ -1041,6 +1041,42 @@ def test_captured_steps_replay_the_compiled_blocks_kernels(
 
 
 @pytest.mark.gpu
+def test_layer_norms_saving_16bit_train_in_captured_steps_on_cuda(
+    fsdd_root, prepared, tmp_path, cuda_device, monkeypatch
+):
+    """precision.norm_saves_16bit on CUDA: the first eager step's loss is the plain
+    model's bit for bit (its forward pass is autocast's), the LayerNorms' autograd
+    function runs, and the captured and replayed steps train as the eager ones do."""
+    import amp_utils.module_precision as module_precision
+
+    calls = []
+    apply = module_precision._LayerNormSaving16Bit.apply
+    monkeypatch.setattr(
+        module_precision._LayerNormSaving16Bit, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    extra = _no_noise(
+        "conformer_ctc", "device=cuda", "precision=bf16", "precision.allow_tf32=false"
+    )
+    saves = "precision.norm_saves_16bit=true"
+    plain, data = _brain(fsdd_root, prepared, tmp_path / "a", *extra, "trainer.graph_step=false")
+    eager, _ = _brain(
+        fsdd_root, prepared, tmp_path / "b", *extra, saves, "trainer.graph_step=false"
+    )
+    graphed, _ = _brain(fsdd_root, prepared, tmp_path / "c", *extra, saves)
+    for brain in (plain, eager, graphed):
+        brain.on_fit_start()
+    batch = next(iter(data.train))
+    batches = [batch] * 5  # two warm-up steps, the capture, two replays
+    first = _train(plain, batches[:1])
+    assert not calls
+    expected = _train(eager, batches)
+    assert calls and expected[0] == first[0]
+    got = _train(graphed, batches)
+    assert graphed.step_graph_stats() == {"graphs": 1, "replays": 3, "eager_steps": 2}
+    assert got == pytest.approx(expected, rel=2e-2)
+
+
+@pytest.mark.gpu
 def test_replayed_steps_never_wait_for_the_gpu(fsdd_root, prepared, tmp_path, cuda_device):
     brain, data = _brain(fsdd_root, prepared, tmp_path, "device=cuda", "precision=bf16")
     brain.on_fit_start()
