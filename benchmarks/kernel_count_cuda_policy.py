@@ -9,7 +9,8 @@ CTC loss, backward, gradient clipping, fused AdamW) run by ``amp_utils.Brain``:
 - fp32;
 - bf16 / fp16 with autocast's own per-weight casts (``precision.fused_weight_casts=false``);
 - bf16 / fp16 with the weights cast together (the default);
-- bf16 with the weights cast together and ``precision.low_precision_norms``.
+- bf16 with the weights cast together and ``precision.low_precision_norms``;
+- bf16 with the weights cast together and ``precision.norm_saves_16bit``.
 
 The model runs with the choices CUDA makes (``benchmarks/activation_memory_cuda_policy``:
 attention, depthwise convolutions and dropout as on CUDA; LayerNorms in fp32 as CUDA's
@@ -40,14 +41,15 @@ from benchmarks.cuda_policy import use_cuda_kernel_choices
 CONFORMER_SMALL = dict(
     n_mels=40, d_model=144, num_layers=4, num_heads=4, ffn_dim=576, conv_kernel=15, subsampling=2
 )
-#: (label, precision, fused_weight_casts, low_precision_norms)
+#: (label, precision, fused_weight_casts, how the LayerNorms run: see cuda_policy_conformer)
 VARIANTS = [
-    ("fp32", "fp32", False, False),
-    ("bf16, per-weight casts", "bf16", False, False),
-    ("bf16, weights cast together", "bf16", True, False),
-    ("bf16, together + low_precision_norms", "bf16", True, True),
-    ("fp16, per-weight casts", "fp16", False, False),
-    ("fp16, weights cast together", "fp16", True, False),
+    ("fp32", "fp32", False, "autocast"),
+    ("bf16, per-weight casts", "bf16", False, "autocast"),
+    ("bf16, weights cast together", "bf16", True, "autocast"),
+    ("bf16, together + low_precision_norms", "bf16", True, "low_precision"),
+    ("bf16, together + norm_saves_16bit", "bf16", True, "saves_16bit"),
+    ("fp16, per-weight casts", "fp16", False, "autocast"),
+    ("fp16, weights cast together", "fp16", True, "autocast"),
 ]
 
 
@@ -79,10 +81,11 @@ class CTCBrain(Brain):
         return F.ctc_loss(log_probs, targets, out_lens, target_lens, zero_infinity=True)
 
 
-def count_step(sizes: dict, precision: str, fused: bool, low_norms: bool) -> OperationCount:
-    """Operations of the third training step (the first observes the weights' uses)."""
+def count_step(sizes: dict, precision: str, fused: bool, norms: str) -> OperationCount:
+    """Operations of the third training step (the first observes the weights' uses), with
+    the LayerNorms run as ``norms`` says (:func:`cuda_policy_conformer`)."""
     brain = CTCBrain(
-        {"model": cuda_policy_conformer(sizes, "low_precision" if low_norms else "autocast")},
+        {"model": cuda_policy_conformer(sizes, norms)},
         opt_class=lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),
         run_opts={
             "device": "cpu",
@@ -118,8 +121,8 @@ def main() -> None:
     print(f"| Conformer {args.model} step | operations | vs fp32 | casts (`_to_copy`) | cat |")
     print("|---|---:|---:|---:|---:|")
     fp32_total = None
-    for label, precision, fused, low_norms in VARIANTS:
-        ops = count_step(sizes, precision, fused, low_norms)
+    for label, precision, fused, norms in VARIANTS:
+        ops = count_step(sizes, precision, fused, norms)
         total = sum(ops.counts.values())
         fp32_total = fp32_total or total
         print(
