@@ -15,7 +15,7 @@ not with GPU runs. Slower than a plain CPU run: every op passes a ``TorchFunctio
 
 from __future__ import annotations
 
-from benchmarks.cuda_policy import cuda_fp32_ops, use_cuda_kernel_choices
+from benchmarks.cuda_policy import cuda_fp32_ops, cuda_kernel_choices
 
 
 def main() -> None:
@@ -24,8 +24,7 @@ def main() -> None:
     from recipes.schema import Config
 
     exit_on_unknown_override_keys(Config)
-    use_cuda_kernel_choices()
-    with cuda_fp32_ops() as mode:
+    with cuda_kernel_choices(), cuda_fp32_ops() as mode:
         train_script.main()
     print(f"CUDA's autocast choices emulated: {mode.calls} calls computed in fp32 as on CUDA")
 

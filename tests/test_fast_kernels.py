@@ -628,12 +628,16 @@ def test_unfolded_depthwise_conv1d_returns_autocasts_dtype_under_cudas_fp32_sum(
 
 
 def test_cuda_kernel_choices_apply_inside_the_block_only():
-    """``benchmarks.cuda_policy.cuda_kernel_choices``: CUDA's dropout (a bool mask) and
-    16-bit attention inside; fast_kernels' CPU choices back after, also after an error."""
+    """``benchmarks.cuda_policy.cuda_kernel_choices``: CUDA's dropout (a bool mask), 16-bit
+    attention and fp32 LayerNorms inside; the CPU's choices back after, also after an error."""
+    from amp_utils import module_precision
     from benchmarks.cuda_policy import cuda_dropout, cuda_kernel_choices
 
     before = fast_kernels.dropout
     with pytest.raises(RuntimeError), cuda_kernel_choices():
         assert fast_kernels.dropout is cuda_dropout and fast_kernels._SLOW_ON_CPU == ()
+        assert module_precision.autocast_runs_norms_in_fp32("cpu")  # CUDA's LayerNorms
         raise RuntimeError
     assert fast_kernels.dropout is before and torch.bfloat16 in fast_kernels._SLOW_ON_CPU
+    assert not module_precision.autocast_runs_norms_in_fp32("cpu")
+    assert module_precision.autocast_runs_norms_in_fp32("cuda")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import sys
 
 import pytest
 import torch
@@ -994,3 +997,29 @@ def test_norm_saves_16bit_from_the_config_keeps_the_models_loss_under_cudas_norm
     flat = torch.cat([g.flatten() for g in plain_grads])
     diff = torch.cat([(a - b).flatten() for a, b in zip(changed_grads, plain_grads, strict=True)])
     assert 0 < diff.norm() < 0.02 * flat.norm()
+
+
+def test_a_recipe_trains_on_a_cpu_with_cudas_autocast_choices(tmp_path, fsdd_root):
+    """benchmarks/train_cuda_policy.py: recipes/train.py's command line, trained with CUDA
+    autocast's fp32 ops emulated (reached, and counted at the end), results written."""
+    from tests.recipe_helpers import FAST, run_command
+
+    out = tmp_path / "run"
+    result = run_command(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.train_cuda_policy",
+            *FAST,
+            "precision=bf16",
+            "precision.norm_saves_16bit=true",
+            f"data.root={fsdd_root}",
+            f"hydra.run.dir={out}",
+        ],
+        {**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    calls = re.search(r"CUDA's autocast choices emulated: (\d+) calls", result.stdout)
+    assert calls and int(calls.group(1)) > 0, result.stdout[-1000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["precision"] == "bf16" and math.isfinite(results["test_metrics"]["loss"])
