@@ -54,15 +54,20 @@
 # 160 in seeds 1 and 2). bench_graphs_unfused ran bf16 at the fused row's speed with 780
 # against 950 MB peak: under whole-step graphs casting the weights together saved no time.
 # Next lease (~900 s with the start), in this order:
-#   command 1: DEADLINE=560 PARTS="sweep graph_tests" SWEEP_PRECISIONS="fp32 bf16 fp16"
+#   command 1: DEADLINE=560 PARTS="sweep graph_tests" SWEEP_PRECISIONS="fp32 bf16 fp16 bf16_norm_saves"
 #     (the sweep with SortaGrad: every precision should leave the plateau, test WER within
-#     0.5 points of fp32; graph_tests now also runs test_brain.py's CUDA tests and the
-#     fixed unfold/cuDNN depthwise tests);
+#     0.5 points of fp32; bf16_norm_saves: precision.norm_saves_16bit, autocast's forward
+#     with 16-bit normalized LayerNorm inputs kept for backward, 0.61x fp32 counted on a CPU
+#     against 0.67x: its run peak against fp32's is the 0.6x memory target's next reading;
+#     four runs share the GPU, ~300-380 s; graph_tests now also runs test_brain.py's CUDA
+#     tests, the fixed unfold/cuDNN depthwise tests and test_saved_activations.py's);
 #   command 2: PARTS="default_runs bench_graphs" DEFAULT_EXTRA="precision.fused_weight_casts=false"
 #     (2026-11-28: the device CTC loss gathers its frames' gradients with one stack, ~3 kernels
 #     a frame fewer in every captured step of the small recipe: its steps/s against the
 #     2026-11-27 evening rows 105.25 fp32 / 147.51 bf16, and default_runs' 1.11x) and
-#     PARTS=sweep SWEEP_PRECISIONS="bf16_low_norms" (the 0.6x memory target's accuracy).
+#     PARTS="bench_m_norm_saves activation_memory" (norm_saves_16bit's time cost on Conformer-M
+#     against bench_m_graphs' 45.32 bf16 steps/s, and the eager saved bytes of all three
+#     LayerNorm variants; PARTS=sweep SWEEP_PRECISIONS="bf16_low_norms" if time is left).
 #     Also new since that lease (8fc50db): a shape new after the first capture warms up with
 #     one eager step (trainer.graph_step_later_warmup=1), so default_runs' step_graphs should
 #     read ~11 eager steps, not 20; the evening's steady epochs 4-30 were 224 ms (fp32) and
