@@ -790,22 +790,33 @@ def test_low_precision_norms_normalize_a_copy_in_the_autocast_dtype(dtype):
     assert model.state_dict().keys() == reference.state_dict().keys()
 
 
+def recipe_models_with_marked_norms(option: str, mark: str):
+    """The recipe's bf16 model built plain and with ``option=true`` (same weights), after
+    checking that the option marked every LayerNorm of the second and none of the first:
+    ``(plain, changed, config of changed, its LayerNorms)``."""
+    from recipes.modules import build_modules
+    from tests.recipe_helpers import compose_config
+
+    plain = build_modules(compose_config(["precision=bf16"]), ("s",))["model"]
+    cfg = compose_config(["precision=bf16", f"{option}=true"])
+    changed = build_modules(cfg, ("s",))["model"]
+    changed.load_state_dict(plain.state_dict())
+    norms = [m for m in changed.modules() if isinstance(m, nn.LayerNorm)]
+    assert norms and all(getattr(m, mark, False) for m in norms)
+    assert not any(getattr(m, mark, False) for m in plain.modules())
+    return plain, changed, cfg, norms
+
+
 def test_low_precision_norms_from_the_config_reach_every_layer_norm():
     """precision.low_precision_norms=true: every LayerNorm of the recipe's model is changed
     and the model's bf16 logits stay close. (On a CPU autocast already runs LayerNorm on its
     bf16 input and the model's residual stream is bf16, so nothing is saved there; on CUDA
     autocast runs it in fp32: the GPU test measures that.)"""
     from amp_utils.module_precision import LOW_PRECISION_NORM_MARK
-    from recipes.modules import build_modules
-    from tests.recipe_helpers import compose_config
 
-    plain = build_modules(compose_config(["precision=bf16"]), ("s",))["model"]
-    cfg = compose_config(["precision=bf16", "precision.low_precision_norms=true"])
-    changed = build_modules(cfg, ("s",))["model"]
-    changed.load_state_dict(plain.state_dict())
-    norms = [m for m in changed.modules() if isinstance(m, nn.LayerNorm)]
-    assert norms and all(getattr(m, LOW_PRECISION_NORM_MARK, False) for m in norms)
-    assert not any(getattr(m, LOW_PRECISION_NORM_MARK, False) for m in plain.modules())
+    plain, changed, cfg, _ = recipe_models_with_marked_norms(
+        "precision.low_precision_norms", LOW_PRECISION_NORM_MARK
+    )
     plain.eval(), changed.eval()
     feats, lens = torch.randn(2, 80, cfg.data.features.n_mels), torch.tensor([80, 60])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -957,16 +968,10 @@ def test_norm_saves_16bit_from_the_config_keeps_the_models_loss_under_cudas_norm
     import amp_utils.module_precision as module_precision
     from amp_utils.module_precision import NORM_SAVES_16BIT_MARK
     from benchmarks.cuda_policy import cuda_fp32_ops
-    from recipes.modules import build_modules
-    from tests.recipe_helpers import compose_config
 
-    plain = build_modules(compose_config(["precision=bf16"]), ("s",))["model"]
-    cfg = compose_config(["precision=bf16", "precision.norm_saves_16bit=true"])
-    changed = build_modules(cfg, ("s",))["model"]
-    changed.load_state_dict(plain.state_dict())
-    norms = [m for m in changed.modules() if isinstance(m, nn.LayerNorm)]
-    assert norms and all(getattr(m, NORM_SAVES_16BIT_MARK, False) for m in norms)
-    assert not any(getattr(m, NORM_SAVES_16BIT_MARK, False) for m in plain.modules())
+    plain, changed, cfg, norms = recipe_models_with_marked_norms(
+        "precision.norm_saves_16bit", NORM_SAVES_16BIT_MARK
+    )
     torch.manual_seed(0)
     feats, lens = torch.randn(3, 90, cfg.data.features.n_mels), torch.tensor([90, 70, 50])
 

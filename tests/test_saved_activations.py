@@ -139,6 +139,18 @@ def test_an_op_after_a_child_module_returns_counts_for_the_parent():
     assert saved.by_module == {"0.child": {"fp32": x.nbytes}, "0": {"fp32": x.nbytes}}
 
 
+def _saved_on_cuda(plain: nn.Module, changed: nn.Module, device: torch.device):
+    """A batch of 4 x 400 frames and what each model keeps for backward on it in bf16:
+    ``(feats, lens, {"plain": ..., "changed": ...})``."""
+    feats = torch.randn(4, 400, 40, device=device)
+    lens = torch.full((4,), 400, device=device)
+    saved = {
+        name: measure_saved(model, lambda m=model: m(feats, lens)[0], "cuda", torch.bfloat16)
+        for name, model in (("plain", plain), ("changed", changed))
+    }
+    return feats, lens, saved
+
+
 @pytest.mark.gpu
 def test_low_precision_norms_keep_fewer_bytes_on_cuda(cuda_device):
     """On CUDA autocast runs LayerNorm in fp32 and keeps an fp32 input for backward;
@@ -153,12 +165,7 @@ def test_low_precision_norms_keep_fewer_bytes_on_cuda(cuda_device):
     changed = changed.to(cuda_device).eval()
     changed.load_state_dict(plain.state_dict())
     assert len(apply_low_precision_norms(changed)) == 2 * 6
-    feats = torch.randn(4, 400, 40, device=cuda_device)
-    lens = torch.full((4,), 400, device=cuda_device)
-    saved = {
-        name: measure_saved(model, lambda m=model: m(feats, lens)[0], "cuda", torch.bfloat16)
-        for name, model in (("plain", plain), ("changed", changed))
-    }
+    feats, lens, saved = _saved_on_cuda(plain, changed, cuda_device)
     assert saved["plain"].by_dtype.get("fp32", 0) > 0
     assert saved["changed"].by_dtype.get("fp32", 0) < 0.5 * saved["plain"].by_dtype["fp32"]
     assert saved["changed"].total < saved["plain"].total
@@ -180,12 +187,7 @@ def test_norm_saves_16bit_keeps_fewer_bytes_on_cuda_with_the_same_logits(cuda_de
     changed = ConformerCTC(**sizes).to(cuda_device).train()
     changed.load_state_dict(plain.state_dict())
     assert len(apply_norm_saves_16bit(changed)) == 2 * 6
-    feats = torch.randn(4, 400, 40, device=cuda_device)
-    lens = torch.full((4,), 400, device=cuda_device)
-    saved = {
-        name: measure_saved(model, lambda m=model: m(feats, lens)[0], "cuda", torch.bfloat16)
-        for name, model in (("plain", plain), ("changed", changed))
-    }
+    feats, lens, saved = _saved_on_cuda(plain, changed, cuda_device)
     assert saved["changed"].by_dtype.get("fp32", 0) < 0.5 * saved["plain"].by_dtype["fp32"]
     assert saved["changed"].total < saved["plain"].total
     with torch.autocast("cuda", dtype=torch.bfloat16):
