@@ -194,8 +194,11 @@ class _LayerNormSaving16Bit(torch.autograd.Function):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         x32 = x.float()
-        out, mean, rstd = torch.native_layer_norm(x32, normalized_shape, weight, bias, eps)
-        ctx.save_for_backward(((x32 - mean) * rstd).to(dtype), rstd, weight, bias)
+        out, _, rstd = torch.native_layer_norm(x32, normalized_shape, weight, bias, eps)
+        # The normalized input by the same kernel without weight and bias: one operation and
+        # one fp32 temporary, where (x32 - mean) * rstd took two of each.
+        x_hat = torch.native_layer_norm(x32, normalized_shape, None, None, eps)[0]
+        ctx.save_for_backward(x_hat.to(dtype), rstd, weight, bias)
         ctx.normalized_shape, ctx.input_dtype = normalized_shape, x.dtype
         return out
 
@@ -215,7 +218,7 @@ class _LayerNormSaving16Bit(torch.autograd.Function):
             mask,
         )
         if dx is not None:
-            dx = (dx * rstd).to(ctx.input_dtype)
+            dx = dx.mul_(rstd).to(ctx.input_dtype)  # dx is this function's own: in place
         return dx, dweight, dbias, None, None, None
 
 
