@@ -55,7 +55,7 @@ def cuda_policy_conformer(sizes: dict, norms: str) -> nn.Module:
     elif norms == "saves_16bit":
         apply_norm_saves_16bit(model)
     else:
-        raise ValueError(f"norms={norms!r}: choose autocast, low_precision or saves_16bit")
+        raise ValueError(f"norms={norms!r}: choose one of {', '.join(NORM_CHOICES)}")
     return model
 
 

@@ -38,8 +38,15 @@ from torch.utils._pytree import tree_map
 import amp_utils.fast_kernels as fast_kernels
 import amp_utils.module_precision as module_precision
 
-#: The ``amp_utils.fast_kernels`` names that hold its CPU-only choices.
-_CPU_CHOICES = ("_SLOW_ON_CPU", "_depthwise_on_cpu", "fp16_on_cpu", "dropout")
+#: The module attributes that hold the CPU-only choices (``fast_kernels``') and the rule for
+#: LayerNorms under autocast (``module_precision``'s), which the emulation replaces.
+_CPU_CHOICES = (
+    (fast_kernels, "_SLOW_ON_CPU"),
+    (fast_kernels, "_depthwise_on_cpu"),
+    (fast_kernels, "fp16_on_cpu"),
+    (fast_kernels, "dropout"),
+    (module_precision, "autocast_runs_norms_in_fp32"),
+)
 
 
 def cuda_dropout(
@@ -71,15 +78,13 @@ def use_cuda_kernel_choices() -> None:
 @contextmanager
 def cuda_kernel_choices() -> Iterator[None]:
     """:func:`use_cuda_kernel_choices` inside the block only (for tests)."""
-    saved = {name: getattr(fast_kernels, name) for name in _CPU_CHOICES}
-    norms_in_fp32 = module_precision.autocast_runs_norms_in_fp32
+    saved = [(module, name, getattr(module, name)) for module, name in _CPU_CHOICES]
     use_cuda_kernel_choices()
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(fast_kernels, name, value)
-        module_precision.autocast_runs_norms_in_fp32 = norms_in_fp32
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 #: CUDA autocast's ``fp32`` and ``fp32_set_opt_dtype`` ops, by the Python functions that

@@ -293,8 +293,10 @@ part_activation_memory() {
   local norms low saves
   for norms in false true saves; do
     low=false saves=false
-    [ "$norms" = true ] && low=true
-    [ "$norms" = saves ] && saves=true
+    case $norms in
+      true) low=true ;;
+      saves) saves=true ;;
+    esac
     run_part "activation_memory_norms_$norms" "$ACT_MEM_LIMIT" python3 recipes/diagnose.py \
       experiment=gpu_asr precision=bf16 precision.low_precision_norms=$low \
       precision.norm_saves_16bit=$saves device="$DEVICE" \
@@ -332,9 +334,11 @@ python3 -c "import flashlight.lib.text" 2>/dev/null || DECODER=model.decoder=gre
 # precision.norm_saves_16bit=true (their accuracy against the plain run: e.g.
 # SWEEP_PRECISIONS="bf16 bf16_norm_saves fp32").
 sweep_run() {  # sweep_run ENTRY: one training run of the sweep
-  local precision=${1%_low_norms} norms=false saves=false
-  [ "$precision" != "$1" ] && norms=true
-  [ "${1%_norm_saves}" != "$1" ] && precision=${1%_norm_saves} && saves=true
+  local precision=$1 norms=false saves=false
+  case $1 in
+    *_low_norms) precision=${1%_low_norms} norms=true ;;
+    *_norm_saves) precision=${1%_norm_saves} saves=true ;;
+  esac
   python3 recipes/train.py -m experiment=gpu_asr precision="$precision" \
     precision.low_precision_norms=$norms precision.norm_saves_16bit=$saves \
     device="$DEVICE" data.num_train="$TRAIN_UTTS" data.max_batch_seconds="$TRAIN_BATCH" \
