@@ -82,6 +82,17 @@ class TorchAutocast:
         return self.context.__exit__(*exc)
 
 
+#: Device types whose autocast is built into every torch: no need to ask torch at run time.
+_BUILTIN_AUTOCAST = frozenset({"cpu", "cuda"})
+
+
+def _autocast_available(device_type: str) -> bool:
+    """Whether autocast exists for ``device_type``. CPU and CUDA are answered here, without
+    ``torch.amp.is_autocast_available``: TorchDynamo cannot trace that function (torch
+    2.11), and a decorated forward inside a compiled region broke its graph there."""
+    return device_type in _BUILTIN_AUTOCAST or torch.amp.is_autocast_available(device_type)
+
+
 def _first_tensor_device_type(args: tuple, kwargs: dict) -> str:
     """Device type (``"cuda"``, ``"cpu"``, ...) of the first tensor argument."""
     for value in (*args, *kwargs.values()):
@@ -129,9 +140,7 @@ def fwd_default_precision(
         if force_allow_autocast:
             return fwd(*args, **kwargs)
         device_type = _first_tensor_device_type(args, kwargs)
-        if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(
-            device_type
-        ):
+        if not _autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
             return fwd(*args, **kwargs)  # no autocast there (e.g. "meta") or now: nothing to undo
         if not args or not hasattr(args[0], "__dict__"):
             # custom_fwd marks its first argument for custom_bwd: keyword arguments only, or

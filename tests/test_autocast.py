@@ -113,6 +113,32 @@ def test_fwd_default_precision_takes_keyword_arguments_and_numbers_first():
         assert _computing_dtype(x, n) == ([torch.float32, torch.int64], False)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fwd_default_precision_compiles_without_a_graph_break(autocast):
+    """torch.compile traces decorated forwards in one graph (``fullgraph``), inside and
+    outside autocast: a module pinned to fp32 inside a compiled Conformer block, the
+    x-vector's pooling and the fp32 emulation of CUDA's LayerNorms graph-broke at
+    ``torch.amp.is_autocast_available``, which TorchDynamo cannot trace (torch 2.11)."""
+    from amp_utils.module_precision import run_in_fp32
+
+    torch._dynamo.reset()
+    pinned = torch.nn.Linear(3, 3)
+    run_in_fp32(pinned)
+
+    def step(x: torch.Tensor) -> tuple:
+        free = _computing_dtype(x)[0]  # a free function: cast and autocast off by hand
+        return _Doubler()(x), pinned(x), _Float64()(x), torch.zeros(len(free))
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    x = torch.randn(3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected, got = step(x), compiled(x)
+    for want, out in zip(expected, got, strict=True):
+        assert out.dtype == want.dtype
+        torch.testing.assert_close(out, want)
+    assert got[0].dtype == got[1].dtype == torch.float32  # fp32 even under autocast
+
+
 @pytest.mark.gpu
 def test_fwd_default_precision_on_cuda(cuda_device):
     x = torch.randn(3, 3, device=cuda_device)
