@@ -174,6 +174,53 @@ def autocast_runs_norms_in_fp32(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+def _layer_norm_and_16bit_copy(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    normalized_shape: list[int],
+    eps: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``native_layer_norm`` of fp32 ``x`` (output, fp32) with the normalized input in
+    ``dtype`` and the inverse standard deviation: what :class:`_LayerNormSaving16Bit` keeps,
+    as one operation that ``torch.compile`` cannot see into.
+
+    Under ``torch.compile`` the plain autograd function kept nothing less: inductor's joint
+    graph folds the cast to 16 bits and the backward pass's cast back into one fp32 cast
+    (``pointless_convert``), and its partitioner then kept fp32 values, the same bytes as
+    autocast's LayerNorm (``benchmarks/activation_memory_cuda_policy.py --compiled``). The
+    outputs of an opaque operation are kept as they are. The forward computes what eager
+    computes, with the same kernel."""
+    out, _, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    # The normalized input by the same kernel without weight and bias: one operation and
+    # one fp32 temporary, where (x - mean) * rstd took two of each.
+    x_hat = torch.native_layer_norm(x, normalized_shape, None, None, eps)[0]
+    return out, x_hat.to(dtype), rstd
+
+
+#: :func:`_layer_norm_and_16bit_copy` as one operation:
+#: ``torch.ops.amp_utils.layer_norm_keeping_16bit``.
+layer_norm_keeping_16bit = torch.library.custom_op(
+    "amp_utils::layer_norm_keeping_16bit", mutates_args=()
+)(_layer_norm_and_16bit_copy)
+
+
+@layer_norm_keeping_16bit.register_fake
+def _layer_norm_keeping_16bit_shapes(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    normalized_shape: list[int],
+    eps: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kept = x.dim() - len(normalized_shape)  # statistics: one per leading index, dims kept
+    stats = x.new_empty((*x.shape[:kept], *([1] * len(normalized_shape))))
+    # native_layer_norm's outputs are contiguous whatever x's strides (a transposed input)
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=dtype), stats
+
+
 class _LayerNormSaving16Bit(torch.autograd.Function):
     """``F.layer_norm`` in fp32 that keeps ``(x - mean) * rstd`` in 16 bits for backward.
 
@@ -193,12 +240,15 @@ class _LayerNormSaving16Bit(torch.autograd.Function):
         eps: float,
         dtype: torch.dtype,
     ) -> torch.Tensor:
-        x32 = x.float()
-        out, _, rstd = torch.native_layer_norm(x32, normalized_shape, weight, bias, eps)
-        # The normalized input by the same kernel without weight and bias: one operation and
-        # one fp32 temporary, where (x32 - mean) * rstd took two of each.
-        x_hat = torch.native_layer_norm(x32, normalized_shape, None, None, eps)[0]
-        ctx.save_for_backward(x_hat.to(dtype), rstd, weight, bias)
+        if torch.compiler.is_compiling():  # one opaque operation: see its docstring
+            out, x_hat, rstd = torch.ops.amp_utils.layer_norm_keeping_16bit(
+                x.float(), weight, bias, list(normalized_shape), eps, dtype
+            )
+        else:  # eager: the same kernels without the custom operation's dispatch
+            out, x_hat, rstd = _layer_norm_and_16bit_copy(
+                x.float(), weight, bias, list(normalized_shape), eps, dtype
+            )
+        ctx.save_for_backward(x_hat, rstd, weight, bias)
         ctx.normalized_shape, ctx.input_dtype = normalized_shape, x.dtype
         return out
 
@@ -238,6 +288,14 @@ def run_norm_saving_16bit(norm: nn.LayerNorm) -> None:
             return usual(x)
         if x.dtype != torch.float32 and not autocast_runs_norms_in_fp32(x.device.type):
             return usual(x)  # autocast computes it in x's 16 bits and keeps x: nothing to gain
+        if x.dtype != torch.float32 and torch.compiler.is_compiling():
+            # Autocast's fp32 LayerNorm as it is: compiled, the partitioner keeps the 16-bit
+            # input and recomputes the rest from it, where the opaque operation below would
+            # keep its fp32 output too (the SiLU input of the Conformer's conv module).
+            with torch.autocast(x.device.type, enabled=False):
+                return F.layer_norm(
+                    x.float(), norm.normalized_shape, norm.weight, norm.bias, norm.eps
+                )
         with torch.autocast(x.device.type, enabled=False):
             return _LayerNormSaving16Bit.apply(
                 x, norm.weight, norm.bias, tuple(norm.normalized_shape), norm.eps, dtype

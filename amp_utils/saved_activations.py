@@ -104,6 +104,12 @@ class SavedActivations:
     one allocation), under the innermost module of ``model`` whose forward was running
     (``""``: outside every submodule, e.g. the loss). Parameters are skipped.
 
+    ``by_module=False`` counts by dtype only (everything under ``""``) and adds no module
+    hooks: for ``torch.compile``d blocks, whose compiled graph keeps what the partitioner
+    chose and runs as one autograd node. TorchDynamo traces the hooks and guards on each
+    module's label, so with them every block of a regionally compiled model recompiled,
+    and past ``recompile_limit`` ran eagerly: the count was no longer the compiled one.
+
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> with SavedActivations(model) as saved:
@@ -112,10 +118,11 @@ class SavedActivations:
         True
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, by_module: bool = True) -> None:
         self.model = model
         self.result = SavedBytes()
-        self._running = ModuleStack((name, m) for name, m in model.named_modules() if name)
+        watched = model.named_modules() if by_module else ()
+        self._running = ModuleStack((name, m) for name, m in watched if name)
         self._seen: set[int] = set()
         self._params: set[int] = set()
         self._hooks: Any = None
@@ -153,10 +160,12 @@ def measure_saved(
     forward: Callable[[], Any],
     device_type: str,
     dtype: torch.dtype | None,
+    by_module: bool = True,
 ) -> SavedBytes:
     """Run ``forward`` (with gradients, under autocast to ``dtype``; None: fp32) and count
-    what it saves for the backward pass. The graph is dropped without a backward pass."""
-    with SavedActivations(model) as saved, torch.enable_grad():
+    what it saves for the backward pass (per module unless ``by_module=False``, see
+    :class:`SavedActivations`). The graph is dropped without a backward pass."""
+    with SavedActivations(model, by_module) as saved, torch.enable_grad():
         with TorchAutocast(device_type=device_type, dtype=dtype):
             output = forward()
         del output
@@ -269,15 +278,20 @@ def activation_memory(
     device_type: str,
     precision: str,
     dtype: torch.dtype | None,
+    by_module: bool = True,
 ) -> ActivationMemory:
     """Saved-for-backward bytes of ``forward`` under fp32 and under ``dtype`` (same batch).
 
     ``forward`` should run the model and its loss as training does (train mode, so that
     dropout saves its masks). The generators are reset between the two passes, so both
-    draw the same dropout masks.
+    draw the same dropout masks. ``by_module=False`` for compiled models (see
+    :class:`SavedActivations`).
     """
     fp32, low = fp32_and_precision(
-        lambda autocast_dtype: measure_saved(model, forward, device_type, autocast_dtype), dtype
+        lambda autocast_dtype: measure_saved(
+            model, forward, device_type, autocast_dtype, by_module
+        ),
+        dtype,
     )
     return ActivationMemory(precision, fp32, low)
 

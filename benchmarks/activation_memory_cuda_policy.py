@@ -10,10 +10,19 @@ autograd keeps for backward under fp32 and bf16:
 - LayerNorm as CUDA's autocast runs it (fp32 copy of the input, fp32 output), or with
   ``precision.low_precision_norms`` (a bf16 copy of the input, fp32 statistics inside).
 
-    python -m benchmarks.activation_memory_cuda_policy --batch 20 --frames 1000
+    python -m benchmarks.activation_memory_cuda_policy --batch 20 --frames 1000 [--compiled]
 
 (20 x 10 s of 10 ms feature frames, about the sweep's 200 s batches). The byte counts depend
 on the ops' choices only, not on the CPU; the time does.
+
+``--compiled`` compiles the blocks as ``experiment=gpu_asr`` does (``fast_path=cuda_graphs``:
+regional ``torch.compile``, inductor, dynamic shapes): what each block's compiled graph keeps
+is then the partitioner's choice, not eager autograd's, and counts by dtype only. Measured on
+2026-11-28 (``benchmarks/results/2026-11-28-cpu-compiled-activation-memory.md``): compiled,
+autocast's fp32 LayerNorms keep the fp32 residual stream (0.59x fp32's bytes, 0.64x with the
+training state); ``precision.norm_saves_16bit`` first kept exactly as much (inductor folded
+its casts to bf16 and back into one fp32 cast) and now keeps what ``low_precision_norms``
+keeps, through an operation inductor cannot see into.
 """
 
 from __future__ import annotations
@@ -24,12 +33,13 @@ import time
 import torch
 from torch import nn
 
+from amp_utils.compile import compile_options, compile_regions
 from amp_utils.module_precision import (
     apply_low_precision_norms,
     apply_norm_saves_16bit,
     run_in_fp32,
 )
-from amp_utils.saved_activations import activation_memory
+from amp_utils.saved_activations import MB, ActivationMemory, activation_memory
 from benchmarks.cuda_policy import use_cuda_kernel_choices
 from recipes.asr.model import ConformerCTC
 
@@ -64,26 +74,64 @@ def conformer_m(norms: str) -> nn.Module:
     return cuda_policy_conformer(CONFORMER_M, norms)
 
 
+def count(
+    norms: str,
+    feats: torch.Tensor,
+    lens: torch.Tensor,
+    compiled: bool,
+    sizes: dict = CONFORMER_M,
+    backend: str = "inductor",
+) -> tuple[nn.Module, ActivationMemory]:
+    """Saved bytes of one training forward of the Conformer of ``sizes`` (LayerNorms as
+    ``norms`` says) under fp32 and bf16, eager or with its blocks compiled as the sweep
+    compiles them (``backend``: tests use a faster one); ``state_bytes``: parameters,
+    gradients and AdamW's two moments."""
+    model = cuda_policy_conformer(sizes, norms)
+    if compiled:
+        torch._dynamo.reset()  # each variant's own graphs, not the last one's
+        compile_regions(model, **compile_options("default", backend))
+
+    def forward() -> torch.Tensor:
+        return model(feats, lens)[0].float().square().mean()
+
+    memory = activation_memory(
+        model, forward, "cpu", "bf16", torch.bfloat16, by_module=not compiled
+    )
+    memory.state_bytes = 4 * sum(p.nbytes for p in model.parameters())
+    return model, memory
+
+
+def compiled_summary(memory: ActivationMemory) -> str:
+    """The totals of a compiled count (no per-module table: each block is one graph)."""
+    dtypes = ", ".join(
+        f"{dtype} {nbytes / MB:.1f} MB"
+        for dtype, nbytes in sorted(memory.low.by_dtype.items(), key=lambda kv: -kv[1])
+    )
+    return (
+        f"- fp32: **{memory.fp32.total / MB:.1f} MB**; bf16: **{memory.low.total / MB:.1f} MB**,"
+        f" **{memory.ratio:.2f}×** fp32.\n- bf16 by dtype: {dtypes}\n"
+        f"- With parameters, gradients and optimizer state ({memory.state_bytes / MB:.1f} MB in"
+        f" both): bf16 **{memory.peak_ratio:.2f}×** fp32.\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=20, help="utterances per batch")
     parser.add_argument("--frames", type=int, default=1000, help="feature frames each")
+    parser.add_argument(
+        "--compiled", action="store_true", help="blocks compiled as experiment=gpu_asr runs"
+    )
     args = parser.parse_args()
     use_cuda_kernel_choices()
     feats = torch.randn(args.batch, args.frames, CONFORMER_M["n_mels"])
     lens = torch.full((args.batch,), args.frames)
     for norms in NORM_CHOICES:
-        model = conformer_m(norms)
         start = time.perf_counter()
-
-        def forward(model: nn.Module = model) -> torch.Tensor:
-            return model(feats, lens)[0].float().square().mean()
-
-        memory = activation_memory(model, forward, "cpu", "bf16", torch.bfloat16)
-        # what AdamW training holds in every precision: parameters, gradients, two moments
-        memory.state_bytes = 4 * sum(p.nbytes for p in model.parameters())
-        print(f"## LayerNorms: {norms} ({time.perf_counter() - start:.0f} s)\n")
-        print(memory.markdown(model))
+        model, memory = count(norms, feats, lens, args.compiled)
+        mode = "compiled blocks" if args.compiled else "eager"
+        print(f"## LayerNorms: {norms}, {mode} ({time.perf_counter() - start:.0f} s)\n")
+        print(compiled_summary(memory) if args.compiled else memory.markdown(model))
 
 
 if __name__ == "__main__":

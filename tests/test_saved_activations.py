@@ -232,6 +232,64 @@ def test_the_cuda_policy_benchmark_shows_the_layer_norms_fp32_bytes():
     assert dropout["low"] == dropout["fp32"] > 0
 
 
+def test_compiled_blocks_are_counted_without_recompiling_each_block():
+    """``by_module=False`` counts a regionally compiled model as it trains: dtype totals
+    from the compiled blocks, with one recompile (fp32, then bf16's autocast). With the
+    per-module hooks TorchDynamo guarded on each block's labels and recompiled every
+    block; past ``recompile_limit`` (8) the blocks of Conformer-M ran eagerly."""
+    from amp_utils.compile import RECOMPILES, compile_options, compile_regions
+
+    torch._dynamo.reset()
+    RECOMPILES.install()
+    torch.manual_seed(0)
+    sizes = dict(n_mels=16, d_model=32, num_layers=3, num_heads=2, ffn_dim=64, conv_kernel=5)
+    model = ConformerCTC(**sizes).train()
+    compile_regions(model, **compile_options("default", "aot_eager"))
+    feats, lens = torch.randn(2, 40, 16), torch.tensor([40, 31])
+    before = RECOMPILES.count
+    memory = activation_memory(
+        model,
+        lambda: model(feats, lens)[0].float().sum(),
+        "cpu",
+        "bf16",
+        torch.bfloat16,
+        by_module=False,
+    )
+    assert RECOMPILES.count - before == 1
+    assert set(memory.fp32.by_module) == set(memory.low.by_module) == {""}
+    assert memory.fp32.total > 0 and "bf16" in memory.low.by_dtype
+    torch._dynamo.reset()
+
+
+def test_the_cuda_policy_benchmark_counts_compiled_blocks():
+    """``--compiled``: the blocks compiled as ``experiment=gpu_asr`` compiles them.
+    Autocast's fp32 LayerNorms keep the fp32 residual stream there; both options keep
+    fewer bytes and almost no fp32 (``norm_saves_16bit`` through its opaque operation: as
+    a plain autograd function inductor folded its casts and it kept the same bytes as
+    autocast's LayerNorms)."""
+    from benchmarks.activation_memory_cuda_policy import count
+    from benchmarks.cuda_policy import cuda_kernel_choices
+
+    sizes = dict(n_mels=16, d_model=64, num_layers=2, num_heads=4, ffn_dim=128, conv_kernel=7)
+    feats, lens = torch.randn(4, 80, 16), torch.full((4,), 80)
+    kept = {}
+    with cuda_kernel_choices():
+        for norms in ("autocast", "low_precision", "saves_16bit"):
+            # inductor's partitioner without its code generation (a minute less); the
+            # casts inductor folds are tested in test_numerics.py, with inductor
+            _, memory = count(norms, feats, lens, True, sizes, backend="aot_eager_decomp_partition")
+            assert set(memory.low.by_module) == {""}  # by dtype only
+            kept[norms] = memory
+    torch._dynamo.reset()
+    autocast, low, saves = kept["autocast"], kept["low_precision"], kept["saves_16bit"]
+    assert autocast.low.by_dtype["fp32"] > 0.05 * autocast.low.total  # fp32 residuals
+    assert low.low.total < autocast.low.total
+    assert low.low.by_dtype.get("fp32", 0) < 0.2 * autocast.low.by_dtype["fp32"]
+    assert saves.low.total < autocast.low.total
+    assert saves.low.by_dtype.get("fp32", 0) < 0.2 * autocast.low.by_dtype["fp32"]
+    assert low.state_bytes == autocast.state_bytes > 0
+
+
 def test_training_state_counts_parameters_gradients_and_adam_moments():
     from amp_utils.saved_activations import training_state_bytes
 
