@@ -57,8 +57,12 @@
 #   command 1: DEADLINE=560 PARTS="sweep graph_tests" SWEEP_PRECISIONS="fp32 bf16 fp16 bf16_norm_saves"
 #     (the sweep with SortaGrad: every precision should leave the plateau, test WER within
 #     0.5 points of fp32; bf16_norm_saves: precision.norm_saves_16bit, autocast's forward
-#     with 16-bit normalized LayerNorm inputs kept for backward, 0.61x fp32 counted on a CPU
-#     against 0.67x: its run peak against fp32's is the 0.6x memory target's next reading;
+#     with 16-bit normalized LayerNorm inputs kept for backward; the sweep's blocks are
+#     compiled, and counted compiled on a CPU (activation_memory_cuda_policy.py --compiled,
+#     2026-11-28-cpu-compiled-activation-memory.md) it keeps 0.60x fp32 with the training
+#     state against plain bf16's 0.64x (the sweep's bf16 run peak was 0.63x; before 09bdd98
+#     inductor folded the option's casts and it kept as much as plain bf16): its run peak
+#     against fp32's is the 0.6x memory target's next reading;
 #     four runs share the GPU, ~300-380 s; graph_tests now also runs test_brain.py's CUDA
 #     tests, the fixed unfold/cuDNN depthwise tests and test_saved_activations.py's);
 #   command 2: PARTS="default_runs bench_graphs" DEFAULT_EXTRA="precision.fused_weight_casts=false"
@@ -66,7 +70,9 @@
 #     a frame fewer in every captured step of the small recipe: its steps/s against the
 #     2026-11-27 evening rows 105.25 fp32 / 147.51 bf16, and default_runs' 1.11x) and
 #     PARTS="bench_m_norm_saves activation_memory" (norm_saves_16bit's time cost on Conformer-M
-#     against bench_m_graphs' 45.32 bf16 steps/s, and the eager saved bytes of all three
+#     against bench_m_graphs' 45.32 bf16 steps/s: compiled, each fp32-input LayerNorm is an
+#     opaque operation that inductor cannot fuse with the add before it and the cast after
+#     it, 64 a step; and the eager saved bytes of all three
 #     LayerNorm variants; PARTS=sweep SWEEP_PRECISIONS="bf16_low_norms" if time is left).
 #     Also new since that lease (8fc50db): a shape new after the first capture warms up with
 #     one eager step (trainer.graph_step_later_warmup=1), so default_runs' step_graphs should
