@@ -960,6 +960,53 @@ def test_norm_saves_16bit_compiles_without_a_graph_break():
         torch.testing.assert_close(got, want)
 
 
+def check_compiled_norm_saves_16bit(input_dtype: torch.dtype, device: torch.device) -> None:
+    """Compile (inductor) a LayerNorm with ``norm_saves_16bit`` and the layer after it, as in
+    a Conformer block, and check what it keeps and computes under bf16 autocast on
+    ``device`` (a CPU: inside ``cuda_kernel_choices``, CUDA's LayerNorm rule)."""
+    import torch.nn.functional as F
+
+    from amp_utils.module_precision import apply_norm_saves_16bit
+    from amp_utils.saved_activations import measure_saved
+
+    torch._dynamo.reset()
+    model = affine_norm_block()
+    model.linear = nn.Linear(16, 16)
+    model = model.to(device)
+    apply_norm_saves_16bit(model)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        y = model.norm(x)
+        return model.linear(y) if x.dtype == torch.float32 else F.silu(y)
+
+    def autocasts_norm(x: torch.Tensor) -> torch.Tensor:  # CUDA autocast's fp32 LayerNorm
+        with torch.autocast(device.type, enabled=False):
+            norm = model.norm
+            return F.silu(F.layer_norm(x.float(), (16,), norm.weight, norm.bias, norm.eps))
+
+    compiled = torch.compile(block, backend="inductor", fullgraph=True, dynamic=False)
+    x = (torch.randn(512, 16) * 3 + 1).to(device, input_dtype).requires_grad_()
+    grad = torch.randn(512, 16, device=device)
+    exact = input_dtype == torch.float32
+    saved = measure_saved(model, lambda: compiled(x), device.type, torch.bfloat16, False)
+    outputs, grads = [], []
+    for run in (block if exact else autocasts_norm, compiled):
+        model.zero_grad()
+        x.grad = None
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = run(x)
+        out.float().backward(grad)
+        outputs.append(out)
+        grads.append([x.grad, model.norm.weight.grad, model.norm.bias.grad])
+    torch._dynamo.reset()
+    assert saved.by_dtype.get("fp32", 0) < x.numel()  # rstd, not an fp32 copy (4 x numel)
+    assert saved.by_dtype["bf16"] >= x.numel() * 2
+    tolerance = dict(rtol=1e-4, atol=1e-4) if exact else dict(rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(outputs[1], outputs[0], **tolerance)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+
+
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_norm_saves_16bit_compiled_by_inductor_keeps_16_bits(input_dtype):
     """Compiled by inductor (the fast path compiles the Conformer's blocks), under CUDA's
@@ -970,48 +1017,17 @@ def test_norm_saves_16bit_compiled_by_inductor_keeps_16_bits(input_dtype):
     norm) keeps no fp32 tensor of the input's size (the opaque operation kept its fp32
     output for the SiLU). Output and gradients: the eager option's for an fp32 input,
     autocast's fp32 LayerNorm's (x's gradient rounded to bf16) for a bf16 one."""
-    import torch.nn.functional as F
-
-    from amp_utils.module_precision import apply_norm_saves_16bit
-    from amp_utils.saved_activations import measure_saved
     from benchmarks.cuda_policy import cuda_kernel_choices
 
-    torch._dynamo.reset()
-    model = affine_norm_block()
-    model.linear = nn.Linear(16, 16)
-    apply_norm_saves_16bit(model)
-
-    def block(x: torch.Tensor) -> torch.Tensor:
-        y = model.norm(x)
-        return model.linear(y) if x.dtype == torch.float32 else F.silu(y)
-
-    def autocasts_norm(x: torch.Tensor) -> torch.Tensor:  # CUDA autocast's fp32 LayerNorm
-        with torch.autocast("cpu", enabled=False):
-            norm = model.norm
-            return F.silu(F.layer_norm(x.float(), (16,), norm.weight, norm.bias, norm.eps))
-
-    compiled = torch.compile(block, backend="inductor", fullgraph=True, dynamic=False)
-    x = (torch.randn(512, 16) * 3 + 1).to(input_dtype).requires_grad_()
-    grad = torch.randn(512, 16)
-    outputs, grads = [], []
-    exact = input_dtype == torch.float32
     with cuda_kernel_choices():
-        saved = measure_saved(model, lambda: compiled(x), "cpu", torch.bfloat16, by_module=False)
-        for run in (block if exact else autocasts_norm, compiled):
-            model.zero_grad()
-            x.grad = None
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = run(x)
-            out.float().backward(grad)
-            outputs.append(out)
-            grads.append([x.grad, model.norm.weight.grad, model.norm.bias.grad])
-    torch._dynamo.reset()
-    assert saved.by_dtype.get("fp32", 0) < x.numel()  # rstd, not an fp32 copy (4 x numel)
-    assert saved.by_dtype["bf16"] >= x.numel() * 2
-    tolerance = dict(rtol=1e-4, atol=1e-4) if exact else dict(rtol=1.6e-2, atol=1e-5)
-    torch.testing.assert_close(outputs[1], outputs[0], **tolerance)
-    for got, want in zip(grads[1], grads[0], strict=True):
-        torch.testing.assert_close(got, want, **tolerance)
+        check_compiled_norm_saves_16bit(input_dtype, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_norm_saves_16bit_compiled_by_inductor_keeps_16_bits_on_cuda(input_dtype, cuda_device):
+    """The same on CUDA, with CUDA's own autocast and Triton kernels."""
+    check_compiled_norm_saves_16bit(input_dtype, cuda_device)
 
 
 def test_norm_saves_16bit_from_the_config_keeps_the_models_loss_under_cudas_norms(monkeypatch):
