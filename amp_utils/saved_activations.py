@@ -181,6 +181,8 @@ class ActivationMemory:
     low: SavedBytes
     #: what training holds in fp32 in every precision: parameters, gradients, optimizer state
     state_bytes: int = 0
+    #: counted per module (eager); False: by dtype only (compiled regions, see SavedActivations)
+    by_module: bool = True
 
     @property
     def ratio(self) -> float:
@@ -221,6 +223,7 @@ class ActivationMemory:
             "ratio": self.ratio,
             "state_bytes": self.state_bytes,
             "peak_ratio": self.peak_ratio,
+            "by_module": self.by_module,
             "fp32": {"by_dtype": self.fp32.by_dtype, "by_module": self.fp32.by_module},
             self.precision: {"by_dtype": self.low.by_dtype, "by_module": self.low.by_module},
         }
@@ -244,6 +247,14 @@ class ActivationMemory:
             f"in both): {name} **{self.peak_ratio:.2f}×** fp32, the ratio peak memory shows "
             "before the allocator's cache and the step's temporaries.",
             "",
+        ]
+        if not self.by_module:
+            lines.append(
+                "Counted by dtype only: a compiled region keeps what torch.compile's "
+                "partitioner chose and runs as one autograd node, so no module is named."
+            )
+            return "\n".join(lines) + "\n"
+        lines += [
             f"| module type | fp32 (MB) | {name} (MB) | ratio |",
             "|---|---|---|---|",
         ]
@@ -293,7 +304,7 @@ def activation_memory(
         ),
         dtype,
     )
-    return ActivationMemory(precision, fp32, low)
+    return ActivationMemory(precision, fp32, low, by_module=by_module)
 
 
 def fp32_and_precision(
@@ -321,8 +332,9 @@ def training_forward(brain: Any, batch: Any) -> Callable[[], torch.Tensor]:
     return forward
 
 
-def training_activation_memory(brain: Any, batch: Any) -> ActivationMemory:
-    """``activation_memory`` of a Brain's training forward and loss on ``batch``."""
+def training_activation_memory(brain: Any, batch: Any, by_module: bool = True) -> ActivationMemory:
+    """``activation_memory`` of a Brain's training forward and loss on ``batch``
+    (``by_module=False`` once its modules are compiled)."""
     brain.modules.train()
     memory = activation_memory(
         brain.modules,
@@ -330,6 +342,7 @@ def training_activation_memory(brain: Any, batch: Any) -> ActivationMemory:
         brain.device_type,
         brain.amp.name,
         brain.amp.dtype,
+        by_module,
     )
     memory.state_bytes = training_state_bytes(brain.modules, brain.optimizers_dict.values())
     return memory

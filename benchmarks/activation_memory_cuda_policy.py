@@ -39,7 +39,7 @@ from amp_utils.module_precision import (
     apply_norm_saves_16bit,
     run_in_fp32,
 )
-from amp_utils.saved_activations import MB, ActivationMemory, activation_memory
+from amp_utils.saved_activations import ActivationMemory, activation_memory
 from benchmarks.cuda_policy import use_cuda_kernel_choices
 from recipes.asr.model import ConformerCTC
 
@@ -101,20 +101,6 @@ def count(
     return model, memory
 
 
-def compiled_summary(memory: ActivationMemory) -> str:
-    """The totals of a compiled count (no per-module table: each block is one graph)."""
-    dtypes = ", ".join(
-        f"{dtype} {nbytes / MB:.1f} MB"
-        for dtype, nbytes in sorted(memory.low.by_dtype.items(), key=lambda kv: -kv[1])
-    )
-    return (
-        f"- fp32: **{memory.fp32.total / MB:.1f} MB**; bf16: **{memory.low.total / MB:.1f} MB**,"
-        f" **{memory.ratio:.2f}×** fp32.\n- bf16 by dtype: {dtypes}\n"
-        f"- With parameters, gradients and optimizer state ({memory.state_bytes / MB:.1f} MB in"
-        f" both): bf16 **{memory.peak_ratio:.2f}×** fp32.\n"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=20, help="utterances per batch")
@@ -131,7 +117,7 @@ def main() -> None:
         model, memory = count(norms, feats, lens, args.compiled)
         mode = "compiled blocks" if args.compiled else "eager"
         print(f"## LayerNorms: {norms}, {mode} ({time.perf_counter() - start:.0f} s)\n")
-        print(compiled_summary(memory) if args.compiled else memory.markdown(model))
+        print(memory.markdown(model))
 
 
 if __name__ == "__main__":

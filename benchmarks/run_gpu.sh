@@ -152,7 +152,9 @@ GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-130}     # seconds for gpu_tests
 DEFAULT_RUNS_LIMIT=${DEFAULT_RUNS_LIMIT:-200}  # seconds for default_runs (not measured yet)
 DEFAULT_PRECISIONS=${DEFAULT_PRECISIONS:-fp32,bf16}  # precisions of default_runs, in order
 DEFAULT_EXTRA=${DEFAULT_EXTRA:-}   # extra overrides for default_runs (dry runs: fewer epochs)
-ACT_MEM_LIMIT=${ACT_MEM_LIMIT:-60}  # seconds for each of activation_memory's 3 runs (not measured yet)
+ACT_MEM_LIMIT=${ACT_MEM_LIMIT:-150} # seconds for each of activation_memory's runs (not measured yet)
+ACT_MEM_NORMS=${ACT_MEM_NORMS:-"false saves true"}  # its LayerNorm variants (true: low_precision_norms)
+ACT_MEM_COMPILE=${ACT_MEM_COMPILE:-true}  # also count the blocks compiled as the sweep compiles them
 GPU_TEST_FILES=${GPU_TEST_FILES:-}          # test files of gpu_tests, in this order (default: all)
 GRAPH_TESTS_K=${GRAPH_TESTS_K:-}   # pytest -k expression of graph_tests (default: all of them)
 M_EXTRA=${M_EXTRA:-}               # extra overrides for bench_m and sweep (dry runs: a tiny model)
@@ -294,10 +296,16 @@ part_default_runs() {
 
 # activation_memory: the bytes autograd keeps for one of the sweep's batches, fp32 and bf16
 # (eager: diagnose hooks every module), as trained, with precision.low_precision_norms
-# (norms_true) and with precision.norm_saves_16bit (norms_saves)
+# (norms_true) and with precision.norm_saves_16bit (norms_saves). With ACT_MEM_COMPILE=true
+# (the default) the diagnosis then compiles the blocks as the sweep does (experiment=gpu_asr's
+# fast_path=cuda_graphs) and counts what they keep: activation_memory_compiled.md (a CPU
+# count with CUDA's choices: bf16 0.59x fp32 plain, 0.55x with either option,
+# benchmarks/results/2026-11-28-cpu-compiled-activation-memory.md). Two compiles of
+# Conformer-M's block per run (fp32, bf16): ~15-40 s each on an H100.
 part_activation_memory() {
-  local norms low saves
-  for norms in false true saves; do
+  local norms low saves compiled=(fast_path=none trainer.compile=false)
+  [ "$ACT_MEM_COMPILE" = true ] && compiled=()
+  for norms in $ACT_MEM_NORMS; do
     low=false saves=false
     case $norms in
       true) low=true ;;
@@ -305,8 +313,8 @@ part_activation_memory() {
     esac
     run_part "activation_memory_norms_$norms" "$ACT_MEM_LIMIT" python3 recipes/diagnose.py \
       experiment=gpu_asr precision=bf16 precision.low_precision_norms=$low \
-      precision.norm_saves_16bit=$saves device="$DEVICE" \
-      fast_path=none trainer.compile=false diagnose.batches=1 data.num_train="$BENCH_UTTS" \
+      precision.norm_saves_16bit=$saves device="$DEVICE" "${compiled[@]}" \
+      diagnose.batches=1 data.num_train="$BENCH_UTTS" \
       data.max_batch_seconds="$TRAIN_BATCH" $M_EXTRA \
       hydra.run.dir="$WORK/activation_memory_norms_$norms"
   done
@@ -409,6 +417,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     "$WORK"/bench_graphs_compiled/benchmark.md \
     "$WORK"/bench_m_graphs/benchmark.md "$WORK"/bench_m_norm_saves/benchmark.md \
     "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory_norms_*/activation_memory.md \
+    "$WORK"/activation_memory_norms_*/activation_memory_compiled.md \
     "$WORK"/activation_memory_norms_*/step_operations.md \
     "$WORK"/default_runs/summary.md "$WORK"/default_runs/epoch_split.md \
     "$WORK"/sweep_gpu_asr/summary.md "$WORK"/bench_small/benchmark.md \

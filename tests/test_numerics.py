@@ -718,6 +718,8 @@ def test_diagnoses_of_two_corpora_get_two_folders():
 
 
 def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
+    """The report, and with trainer.compile=true what the compiled model keeps (by dtype:
+    compiled regions are one autograd node each)."""
     import os
 
     from tests.recipe_helpers import FAST, recipe_command, run_command
@@ -728,6 +730,8 @@ def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
         "data.max_batch_seconds=4",
         f"data.prepared_dir={tmp_path / 'prepared'}",
         "diagnose.batches=1",
+        "trainer.compile=true",
+        "trainer.compile_backend=aot_eager",  # the partitioner without code generation
         f"hydra.run.dir={run_dir}",
     ]
     env = {**os.environ, "FSDD_ROOT": str(fsdd_root), "PYTHONPATH": str(REPO_ROOT)}
@@ -738,6 +742,13 @@ def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
     assert (run_dir / "numerics.md").read_text().startswith("# Numerics report (fp32")
     assert f"fsdd_digits ({fsdd_root})" in (run_dir / "numerics.md").read_text()
     assert len(list((run_dir / "tb").glob("*/events.out.tfevents.*"))) == 1  # a run of its own
+    eager = json.loads((run_dir / "activation_memory.json").read_text())
+    compiled = json.loads((run_dir / "activation_memory_compiled.json").read_text())
+    assert eager["by_module"] and not compiled["by_module"]
+    assert set(compiled["fp32"]["by_module"]) == {""} and compiled["fp32"]["by_dtype"]["fp32"] > 0
+    assert compiled["state_bytes"] == eager["state_bytes"] > 0
+    assert "Counted by dtype only" in (run_dir / "activation_memory_compiled.md").read_text()
+    assert "activation memory compiled as training compiles the model" in result.stdout
     bad = run_command(recipe_command("diagnose.py", [*args, "precision.fp32_modules=[nope]"]), env)
     assert bad.returncode == 1
     assert (
