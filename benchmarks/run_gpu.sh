@@ -72,8 +72,10 @@
 #     PARTS="bench_m_norm_saves activation_memory" (norm_saves_16bit's time cost on Conformer-M
 #     against bench_m_graphs' 45.32 bf16 steps/s: compiled, each fp32-input LayerNorm is an
 #     opaque operation that inductor cannot fuse with the add before it and the cast after
-#     it, 64 a step; and the eager saved bytes of all three
-#     LayerNorm variants; PARTS=sweep SWEEP_PRECISIONS="bf16_low_norms" if time is left).
+#     it, 64 a step; and the saved bytes of the LayerNorm variants, eager and, new on
+#     2026-11-28, compiled as the sweep compiles them: each run compiles twice, so with
+#     little time left use ACT_MEM_NORMS="false saves"; PARTS=sweep
+#     SWEEP_PRECISIONS="bf16_low_norms" if time is left).
 #     Also new since that lease (8fc50db): a shape new after the first capture warms up with
 #     one eager step (trainer.graph_step_later_warmup=1), so default_runs' step_graphs should
 #     read ~11 eager steps, not 20; the evening's steady epochs 4-30 were 224 ms (fp32) and
