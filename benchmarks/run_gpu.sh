@@ -26,8 +26,8 @@
 #                      Conformer-M step, and inductor fuses them): fp32, TF32, bf16 x
 #                      bare/brain/staged
 #   bench_m_norm_saves bench_m_graphs' bf16 Brain and staged rows with
-#                      precision.norm_saves_16bit=true (time and peak memory of LayerNorms
-#                      that keep a bf16 normalized input for backward)
+#                      precision.norm_saves_16bit=false, then true (time and peak memory of
+#                      LayerNorms that keep a bf16 normalized input for backward: A/B)
 #   bench_m_depthwise  bench_m_graphs' bf16 Brain row with device.cuda_depthwise=torch, cudnn, unfold
 #                      (the Conformer's depthwise convolutions channels-last, run by cuDNN:
 #                      PyTorch's own depthwise kernels took ~6 ms of each step on 2026-11-27)
@@ -70,7 +70,8 @@
 #     a frame fewer in every captured step of the small recipe: its steps/s against the
 #     2026-11-27 evening rows 105.25 fp32 / 147.51 bf16, and default_runs' 1.11x) and
 #     PARTS="bench_m_norm_saves activation_memory" (norm_saves_16bit's time cost on Conformer-M
-#     against bench_m_graphs' 45.32 bf16 steps/s: compiled, each fp32-input LayerNorm is an
+#     against the plain bf16 row of the same part (bench_m_graphs' was 45.32 bf16 steps/s
+#     with the features compiled too, before 2026-11-28): compiled, each fp32-input LayerNorm is an
 #     opaque operation that inductor cannot fuse with the add before it and the cast after
 #     it, 64 a step; and the saved bytes of the LayerNorm variants, eager and, new on
 #     2026-11-28, compiled as the sweep compiles them: each run compiles twice, so with
@@ -139,7 +140,7 @@ BENCH_M_LIMIT=${BENCH_M_LIMIT:-260}         # seconds for bench_m
 M_GRAPHS_PRECISIONS=${M_GRAPHS_PRECISIONS:-[fp32,bf16,fp16]}  # of bench_m_graphs (fp32 brings TF32 too)
 M_DEPTHWISE_PRECISIONS=${M_DEPTHWISE_PRECISIONS:-[bf16]}  # of bench_m_depthwise (each run: these)
 M_DEPTHWISE_WAYS=${M_DEPTHWISE_WAYS:-"torch cudnn unfold"}  # device.cuda_depthwise values, in order
-BENCH_M_NORM_SAVES_LIMIT=${BENCH_M_NORM_SAVES_LIMIT:-100}  # one bf16 Brain and staged row (~60 s: the compile; not measured yet)
+BENCH_M_NORM_SAVES_LIMIT=${BENCH_M_NORM_SAVES_LIMIT:-100}  # each of its two bf16 Brain and staged rows (~60 s: the compile; not measured yet)
 BENCH_M_DEPTHWISE_LIMIT=${BENCH_M_DEPTHWISE_LIMIT:-90}  # seconds for each of its runs (~60 s: the compile)
 BENCH_M_GRAPHS_LIMIT=${BENCH_M_GRAPHS_LIMIT:-290}  # seconds for bench_m_graphs (4 variants, ~45-95 s each; 186 s for 3 on 2026-11-27)
 BENCH_SMALL_LIMIT=${BENCH_SMALL_LIMIT:-200}  # seconds for bench_small (~65 s per precision, its compile)
@@ -226,12 +227,18 @@ part_bench_m_graphs() {
     benchmark.precisions="$M_GRAPHS_PRECISIONS" benchmark.modes=[bare,brain,staged] \
     benchmark.profile_steps=3
 }
-# bench_m_norm_saves: bench_m_graphs' bf16 Brain row with precision.norm_saves_16bit=true (the
-# LayerNorms keep a bf16 normalized input for backward: its time and peak against that row)
+# bench_m_norm_saves: bench_m_graphs' bf16 Brain and staged rows with precision.norm_saves_16bit
+# false, then true (the LayerNorms keep a bf16 normalized input for backward; compiled, through
+# an opaque operation): its time and peak against the plain row, A/B on one machine (since
+# 2026-11-28 trainer.compile compiles the model only, not the features: the 2026-11-27 rows
+# compiled both)
 part_bench_m_norm_saves() {
-  bench_m_run bench_m_norm_saves "$BENCH_M_NORM_SAVES_LIMIT" fast_path=step_graphs \
-    $COMPILED_GRAPHS precision.norm_saves_16bit=true benchmark.precisions=[bf16] \
-    benchmark.tf32_baseline=false benchmark.modes=[brain,staged] benchmark.profile_steps=3
+  local saves
+  for saves in false true; do
+    bench_m_run "bench_m_norm_saves_$saves" "$BENCH_M_NORM_SAVES_LIMIT" fast_path=step_graphs \
+      $COMPILED_GRAPHS precision.norm_saves_16bit=$saves benchmark.precisions=[bf16] \
+      benchmark.tf32_baseline=false benchmark.modes=[brain,staged] benchmark.profile_steps=3
+  done
 }
 # bench_m_depthwise: bench_m_graphs' Brain row in M_DEPTHWISE_PRECISIONS with each way of
 # computing the depthwise convolutions (PyTorch's own kernels, cuDNN's, inductor's fused
@@ -417,7 +424,7 @@ tar czf "$OUT/results_$(echo $PARTS | tr ' ' '-' | cut -c1-40).tgz" --exclude=ch
     "$WORK"/bench_graphs_brain/benchmark.md "$WORK"/bench_m_depthwise_*/benchmark.md \
     "$WORK"/bench_graphs_low_norms/benchmark.md \
     "$WORK"/bench_graphs_compiled/benchmark.md \
-    "$WORK"/bench_m_graphs/benchmark.md "$WORK"/bench_m_norm_saves/benchmark.md \
+    "$WORK"/bench_m_graphs/benchmark.md "$WORK"/bench_m_norm_saves_*/benchmark.md \
     "$WORK"/bench_m/benchmark.md "$WORK"/activation_memory_norms_*/activation_memory.md \
     "$WORK"/activation_memory_norms_*/activation_memory_compiled.md \
     "$WORK"/activation_memory_norms_*/step_operations.md \
