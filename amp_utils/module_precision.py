@@ -207,14 +207,8 @@ layer_norm_keeping_16bit = torch.library.custom_op(
 
 
 @layer_norm_keeping_16bit.register_fake
-def _layer_norm_keeping_16bit_shapes(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    normalized_shape: list[int],
-    eps: float,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_keeping_16bit_shapes(x, weight, bias, normalized_shape, eps, dtype) -> tuple:
+    """The outputs' shapes and dtypes (what ``torch.compile`` traces with)."""
     kept = x.dim() - len(normalized_shape)  # statistics: one per leading index, dims kept
     stats = x.new_empty((*x.shape[:kept], *([1] * len(normalized_shape))))
     # native_layer_norm's outputs are contiguous whatever x's strides (a transposed input)

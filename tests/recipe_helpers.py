@@ -73,3 +73,13 @@ def run_cli(script: str, args: list[str], fsdd_root: Path, timeout: int = 600):
     """Run ``recipes/<script>`` in a subprocess from the repo root; returns the result."""
     env = {**os.environ, "FSDD_ROOT": str(fsdd_root), "PYTHONUNBUFFERED": "1"}
     return run_command(recipe_command(script, args), env, timeout)
+
+
+def run_recipe(script: str, tmp_path: Path, fsdd_root: Path, *overrides: str) -> Path:
+    """Run ``recipes/<script>`` with ``overrides`` into ``tmp_path/run`` (manifests prepared
+    into ``tmp_path/prepared``); checks that it succeeded and returns the run folder."""
+    run = tmp_path / "run"
+    args = [*overrides, f"data.prepared_dir={tmp_path / 'prepared'}", f"hydra.run.dir={run}"]
+    result = run_cli(script, args, fsdd_root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run

@@ -13,7 +13,7 @@ from recipes.benchmarking import (
     step_graph_notes,
     summarize,
 )
-from tests.recipe_helpers import run_cli
+from tests.recipe_helpers import run_cli, run_recipe
 from tests.test_host_reads import UserBlock
 
 
@@ -129,19 +129,16 @@ def test_compile_notes_warn_when_no_compiled_code_ran():
 def run_small_benchmark(tmp_path: Path, fsdd_root: Path, *overrides: str) -> Path:
     """recipes/benchmark.py on the CPU with batches of 4 and one warm-up step; checks that
     it succeeded and returns its run folder."""
-    out = tmp_path / "bench"
-    args = [
+    return run_recipe(
+        "benchmark.py",
+        tmp_path,
+        fsdd_root,
         "device=cpu",
         "device.num_workers=0",
         "benchmark.batch_size=4",
         "benchmark.warmup_steps=1",
         *overrides,
-        f"data.prepared_dir={tmp_path / 'prepared'}",
-        f"hydra.run.dir={out}",
-    ]
-    result = run_cli("benchmark.py", args, fsdd_root)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    )
 
 
 def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):

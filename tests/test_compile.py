@@ -146,21 +146,19 @@ def test_trainer_compile_trains_a_recipe_without_graph_breaks(model, fsdd_root, 
     one epoch: 7 graph breaks, 16 recompiles). aot_eager: the graphs, no code generation."""
     import json
 
-    from tests.recipe_helpers import FAST, run_cli
+    from tests.recipe_helpers import FAST, run_recipe
 
-    run = tmp_path / "run"
-    args = [
+    run = run_recipe(
+        "train.py",
+        tmp_path,
+        fsdd_root,
         *FAST,
         f"model={model}",
         "precision=bf16",
         "trainer.epochs=1",
         "trainer.compile=true",
         "trainer.compile_backend=aot_eager",
-        f"data.prepared_dir={tmp_path / 'prepared'}",
-        f"hydra.run.dir={run}",
-    ]
-    result = run_cli("train.py", args, fsdd_root)
-    assert result.returncode == 0, result.stderr[-3000:]
+    )
     stats = json.loads((run / "results.json").read_text())["compile"]
     assert stats["graph_breaks"] == 0, stats
     assert stats["recompiles"] <= 1, stats  # a dimension equal to another by chance: one
