@@ -19,6 +19,8 @@ CUDA's autocast would run them in fp32 and keep an fp32 input for the backward p
 autocast's, bit for bit (fp32 math, fp32 output), but backward gets a bf16/fp16 copy of the
 *normalized* input (and the fp32 inverse standard deviation) instead of the fp32 input.
 Half the bytes, and the rounding touches the gradient only, relative to unit-variance values.
+Compiled, it goes through one opaque operation (``layer_norm_keeping_16bit``): inductor would
+otherwise fold its casts down and up into one fp32 cast and keep as much as autocast does.
 """
 
 from __future__ import annotations
@@ -183,8 +185,8 @@ def _layer_norm_and_16bit_copy(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``native_layer_norm`` of fp32 ``x`` (output, fp32) with the normalized input in
-    ``dtype`` and the inverse standard deviation: what :class:`_LayerNormSaving16Bit` keeps,
-    as one operation that ``torch.compile`` cannot see into.
+    ``dtype`` and the inverse standard deviation: what :class:`_LayerNormSaving16Bit` keeps.
+    Registered below as one operation that ``torch.compile`` cannot see into.
 
     Under ``torch.compile`` the plain autograd function kept nothing less: inductor's joint
     graph folds the cast to 16 bits and the backward pass's cast back into one fp32 cast
@@ -270,7 +272,9 @@ def run_norm_saving_16bit(norm: nn.LayerNorm) -> None:
     """Make ``norm`` keep a 16-bit copy of its normalized input for backward where autocast
     runs it in fp32 (CUDA, or an fp32 input on a CPU): the output is autocast's, bit for bit,
     and the backward pass keeps half the bytes. No autocast, no gradients, or a LayerNorm
-    autocast already runs in 16 bits: the usual forward. The state dict is unchanged (an
+    autocast already runs in 16 bits: the usual forward. Compiled (``torch.compile``), an
+    fp32 input goes through the opaque ``layer_norm_keeping_16bit`` and a 16-bit one runs as
+    autocast runs it, whose input the partitioner keeps. The state dict is unchanged (an
     instance attribute, applied once)."""
     if getattr(norm, NORM_SAVES_16BIT_MARK, False):
         return
