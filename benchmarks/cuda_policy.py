@@ -156,7 +156,9 @@ def _to_fp32(value: Any) -> Any:
 class cuda_fp32_ops(TorchFunctionMode):  # noqa: N801 (used as a context manager, like a function)
     """While active, CPU autocast computes CUDA autocast's fp32 ops in fp32 (see module doc).
 
-    ``calls`` counts the calls it changed, so a test can check the emulation was reached.
+    ``calls`` counts the calls it changed, so a test can check the emulation was reached;
+    not those traced by ``torch.compile``: TorchDynamo guarded on the counter's value and
+    recompiled at every call.
     """
 
     def __init__(self) -> None:
@@ -169,6 +171,7 @@ class cuda_fp32_ops(TorchFunctionMode):  # noqa: N801 (used as a context manager
             return func(*args, **kwargs)
         if kwargs.get("dtype") is not None:  # fp32_set_opt_dtype: an explicit dtype wins
             return func(*args, **kwargs)
-        self.calls += 1
+        if not torch.compiler.is_compiling():  # compiled: a counter would be guarded on
+            self.calls += 1
         with torch.autocast("cpu", enabled=False):
             return func(*tree_map(_to_fp32, args), **tree_map(_to_fp32, kwargs))

@@ -627,6 +627,28 @@ def test_unfolded_depthwise_conv1d_returns_autocasts_dtype_under_cudas_fp32_sum(
     torch.testing.assert_close(out.float(), plain(x), rtol=2e-2, atol=2e-2)
 
 
+def test_cuda_fp32_ops_emulation_compiles_once():
+    """Compiled code under the emulation of CUDA's fp32 ops (``train_cuda_policy`` with
+    ``trainer.compile=true``) computes them in fp32 and compiles once: counting each call
+    made TorchDynamo guard on the counter's value and recompile at every call (7
+    recompiles in a 2-block Conformer's epoch)."""
+    from amp_utils.compile import RECOMPILES
+
+    torch._dynamo.reset()
+    RECOMPILES.install()
+
+    def summed(x: torch.Tensor) -> torch.Tensor:
+        return (x @ x).sum(-1)
+
+    compiled = torch.compile(summed, backend="aot_eager", fullgraph=True)
+    before = RECOMPILES.count
+    with torch.autocast("cpu", dtype=torch.bfloat16), cuda_fp32_ops():
+        outs = [compiled(torch.randn(4, 4)) for _ in range(3)]
+    assert RECOMPILES.count == before
+    assert all(out.dtype == torch.float32 for out in outs)  # CUDA's fp32 sum
+    torch._dynamo.reset()
+
+
 def test_cuda_kernel_choices_apply_inside_the_block_only():
     """``benchmarks.cuda_policy.cuda_kernel_choices``: CUDA's dropout (a bool mask), 16-bit
     attention and fp32 LayerNorms inside; the CPU's choices back after, also after an error."""
