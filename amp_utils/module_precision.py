@@ -236,14 +236,14 @@ class _LayerNormSaving16Bit(torch.autograd.Function):
         eps: float,
         dtype: torch.dtype,
     ) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # one opaque operation: see its docstring
-            out, x_hat, rstd = torch.ops.amp_utils.layer_norm_keeping_16bit(
-                x.float(), weight, bias, list(normalized_shape), eps, dtype
-            )
-        else:  # eager: the same kernels without the custom operation's dispatch
-            out, x_hat, rstd = _layer_norm_and_16bit_copy(
-                x.float(), weight, bias, list(normalized_shape), eps, dtype
-            )
+        # compiled: one opaque operation (see its docstring); eager: the same kernels
+        # without the custom operation's dispatch
+        compute = (
+            torch.ops.amp_utils.layer_norm_keeping_16bit
+            if torch.compiler.is_compiling()
+            else _layer_norm_and_16bit_copy
+        )
+        out, x_hat, rstd = compute(x.float(), weight, bias, list(normalized_shape), eps, dtype)
         ctx.save_for_backward(x_hat, rstd, weight, bias)
         ctx.normalized_shape, ctx.input_dtype = normalized_shape, x.dtype
         return out
