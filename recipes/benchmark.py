@@ -109,5 +109,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_unknown_override_keys(BenchmarkRunConfig)  # a key typo: one line naming the close match
+    exit_on_unknown_override_keys(
+        BenchmarkRunConfig, config_name="benchmark"
+    )  # a key typo: one line naming the close match
     main()

@@ -3,7 +3,8 @@
 The config's types live in ``recipes/schema.py`` (dataclasses in Hydra's ConfigStore): while
 composing, Hydra refuses unknown group options (``precision=fp8`` lists the available ones)
 and values of the wrong type; ``check_override_keys`` refuses, before it composes, overrides
-of keys no schema has (with the close match). ``validate_config`` checks, once
+of keys no schema has (with the close match), and ``check_option_keys`` those of keys only
+other options of the group have (``data.num_train`` is the connected digits'). ``validate_config`` checks, once
 and before any work, what a type cannot: keys added with ``+`` (``+trainer.epohcs=3`` would
 otherwise be accepted and ignored), value ranges and the device string, each refusal one line
 naming the key and the valid choices.
@@ -174,16 +175,22 @@ def _refuse_unknown(unknown: list[str], known: set[str], where: str) -> None:
     key = unknown[0]
     options = _options_with_key(where.rstrip("."), key)
     if options:
-        group = where.rstrip(".")
-        raise ConfigError(
-            f"{where}{key} is a key of {' and '.join(f'{group}={o}' for o in options)}, not of "
-            f"this run's {group}: choose that option ({group}={options[0]} {where}{key}=...)."
-        )
+        raise ConfigError(_other_options_key(where.rstrip("."), key, options))
     close = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f" Did you mean {where}{close[0]}?" if close else ""
     raise ConfigError(
         f"{where}{key} is not a config key: the recipe does not use it.{hint} Valid "
         f"{where.rstrip('.') or 'top-level'} keys: {', '.join(sorted(known))}."
+    )
+
+
+def _other_options_key(group: str, key: str, options: list[str], chosen: str = "") -> str:
+    """The refusal of ``group.key`` for a run whose ``group`` option lacks the key that
+    ``options`` have (``data.num_train`` is fsdd_connected's, not fsdd_digits')."""
+    this = f"{group}={chosen}" if chosen else group
+    return (
+        f"{group}.{key} is a key of {' and '.join(f'{group}={o}' for o in options)}, not of "
+        f"this run's {this}: choose that option ({group}={options[0]} {group}.{key}=...)."
     )
 
 
@@ -284,11 +291,77 @@ def check_override_keys(overrides: Iterable[str], root: type) -> None:
             raise ConfigError(refusal)
 
 
-def exit_on_unknown_override_keys(root: type, argv: list[str] | None = None) -> None:
-    """An entry point's first step: exit with ``error: <the refusal>`` (status 1, the way
-    the recipes' other user errors exit) if ``check_override_keys`` refuses the command line."""
+def check_option_keys(overrides: Iterable[str], config_name: str) -> None:
+    """Refuse an override of a key that some options of its group have but this run's
+    option does not (``data.num_train=5000`` with the default ``data=fsdd_digits``: the key
+    is ``data=fsdd_connected``'s), naming the options that have it.
+
+    Hydra refuses it too, with "Key 'num_train' not in 'FsddDigitsConfig'" and the advice
+    to add it with ``+``, which ``validate_config`` then refuses. Which option a run uses is
+    known only once composed (the defaults, ``data=...``, an ``experiment=...`` preset), so
+    the command line is composed without those overrides, and only when it has one.
+    A sweep over a group's options, and a command line Hydra cannot compose, are left to
+    Hydra.
+
+    Args:
+        overrides: the command line's arguments (``sys.argv[1:]``).
+        config_name: the entry point's primary config (``config``, ``benchmark``, ...).
+
+    Raises:
+        ConfigError: one line for the first such key.
+    """
+    items = [arg for arg in overrides if not arg.startswith("-") and "=" in arg]
     try:
-        check_override_keys(sys.argv[1:] if argv is None else argv, root)
+        parsed = OverridesParser.create().parse_overrides(items)
+    except HydraException:
+        return
+    suspects: dict[str, tuple[str, str, list[str]]] = {}  # argument -> group, key, options
+    for item, override in zip(items, parsed, strict=True):
+        parts = override.key_or_group.split(".")
+        if override.is_add() or override.is_force_add() or override.is_delete():
+            continue
+        if len(parts) < 2 or parts[0] not in OPTION_SCHEMAS or override.package is not None:
+            continue
+        group, key = parts[0], parts[1]
+        options = _options_with_key(group, key)
+        if options and len(options) < len(list((CONF_DIR / group).glob("*.yaml"))):
+            suspects[item] = (group, key, options)
+    if not suspects:
+        return
+    deciding = {group for group, _, _ in suspects.values()} | {"experiment"}
+    kept = []
+    for item, override in zip(items, parsed, strict=True):
+        if item in suspects:
+            continue
+        if override.is_sweep_override():
+            if override.key_or_group in deciding:
+                return  # each job has its own option: Hydra reports each job's refusal
+            continue  # another sweep (precision=fp32,bf16) leaves the option as it is
+        kept.append(item)
+    from hydra import compose, initialize_config_dir  # only for such a command line
+
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name, overrides=kept, return_hydra_config=True)
+    except Exception:  # noqa: BLE001 (whatever fails here, Hydra's own run reports it)
+        return
+    for group, key, options in suspects.values():
+        if key not in cfg[group]:
+            chosen = str(cfg.hydra.runtime.choices.get(group, ""))
+            raise ConfigError(_other_options_key(group, key, options, chosen))
+
+
+def exit_on_unknown_override_keys(
+    root: type, argv: list[str] | None = None, config_name: str | None = None
+) -> None:
+    """An entry point's first step: exit with ``error: <the refusal>`` (status 1, the way
+    the recipes' other user errors exit) if ``check_override_keys`` refuses the command line,
+    or, given the primary ``config_name``, ``check_option_keys``."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        check_override_keys(args, root)
+        if config_name is not None:
+            check_option_keys(args, config_name)
     except ConfigError as err:
         sys.exit(f"error: {err}")
 

@@ -202,5 +202,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_unknown_override_keys(DiagnoseRunConfig)  # a key typo: one line naming the close match
+    exit_on_unknown_override_keys(
+        DiagnoseRunConfig, config_name="diagnose"
+    )  # a key typo: one line naming the close match
     main()

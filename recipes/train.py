@@ -41,5 +41,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    exit_on_unknown_override_keys(Config)  # a key typo: one line naming the close match
+    exit_on_unknown_override_keys(
+        Config, config_name="config"
+    )  # a key typo: one line naming the close match
     main()

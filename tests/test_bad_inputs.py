@@ -54,6 +54,15 @@ def test_misspelled_key_is_named_with_the_close_match_and_the_valid_keys(fsdd_ro
     assert not (tmp_path / "sweep").exists()  # refused before any job
 
 
+def test_a_key_of_another_data_option_is_refused_naming_it(fsdd_root, tmp_path):
+    """``data.num_train`` is the connected digits' size; on the default digits Hydra said
+    "Key 'num_train' not in 'FsddDigitsConfig'" and to add it with ``+``."""
+    err = cli_error(["data.num_train=500", f"hydra.run.dir={tmp_path / 'new' / 'run'}"], fsdd_root)
+    assert err.count("\n") == 1 and err.startswith("error: data.num_train is a key of ")
+    assert "(data=fsdd_connected data.num_train=...)" in err and "data=fsdd_digits" in err
+    assert not (tmp_path / "new").exists()
+
+
 def test_added_misspelled_key_is_refused_with_the_valid_keys(fsdd_root, tmp_path):
     """``+key=value`` adds a key Hydra knows nothing against; the recipe refuses it."""
     err = cli_error(["+trainer.epohcs=3", f"hydra.run.dir={tmp_path / 'new' / 'run'}"], fsdd_root)

@@ -12,7 +12,13 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from data.synthetic_voices import SynthesizerUnavailableError
-from recipes.config import CONF_DIR, ConfigError, check_override_keys, validate_config
+from recipes.config import (
+    CONF_DIR,
+    ConfigError,
+    check_option_keys,
+    check_override_keys,
+    validate_config,
+)
 from recipes.preflight import USER_ERRORS, preflight, run_options
 from recipes.schema import (
     OPTION_SCHEMAS,
@@ -85,6 +91,59 @@ def test_an_override_of_an_unknown_key_is_refused_with_the_close_match(args, mes
 )
 def test_known_keys_group_choices_and_what_hydra_checks_pass_the_key_check(args):
     check_override_keys(args, Config)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["data.num_train=5"],
+            "data.num_train is a key of data=fsdd_connected, not of this run's "
+            "data=fsdd_digits: choose that option (data=fsdd_connected data.num_train=...).",
+        ),
+        (
+            ["model.channels=8"],
+            "model.channels is a key of model=xvector, not of this run's model=conformer_ctc",
+        ),
+        (["-m", "precision=fp32,bf16", "data.num_train=5,6"], "not of this run's data=fsdd_digits"),
+        (["model=xvector", "data.num_train=5"], "data.num_train is a key of data=fsdd_connected"),
+    ],
+)
+def test_a_key_of_another_option_than_the_runs_is_refused_naming_the_options(args, message):
+    """Hydra refused ``data.num_train=5`` on the default data with "Key 'num_train' not in
+    'FsddDigitsConfig'" and the advice to add it with ``+``, which is refused in turn."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_option_keys(args, "config")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["experiment=gpu_asr", "data.num_train=5"],  # the preset chooses fsdd_connected
+        ["data=fsdd_connected", "data.num_train=5", "model=xvector", "model.channels=8"],
+        ["-m", "data=fsdd_digits,fsdd_connected", "data.num_train=5"],  # Hydra's, per job
+        ["trainer.epochs=3", "data.max_batch_seconds=8"],  # keys of every option: no compose
+        ["data.num_train=(", "data.num_train=5"],  # Hydra cannot parse it: Hydra's
+    ],
+)
+def test_keys_of_the_runs_options_pass_the_option_check(args):
+    check_option_keys(args, "config")
+
+
+def test_the_option_check_composes_only_for_a_key_some_options_lack(monkeypatch):
+    """Composing costs a fraction of a second: a command line without such a key skips it."""
+    import hydra
+
+    composed = []
+    real = hydra.initialize_config_dir
+    monkeypatch.setattr(
+        hydra, "initialize_config_dir", lambda *a, **k: composed.append(a) or real(*a, **k)
+    )
+    check_option_keys(["trainer.epochs=3", "seed=3", "precision=bf16"], "config")
+    assert not composed
+    with pytest.raises(ConfigError):
+        check_option_keys(["data.num_train=5"], "config")
+    assert len(composed) == 1
 
 
 @pytest.mark.parametrize("script", ["train.py", "diagnose.py", "benchmark.py"])
