@@ -4,9 +4,10 @@ The config's types live in ``recipes/schema.py`` (dataclasses in Hydra's ConfigS
 composing, Hydra refuses unknown group options (``precision=fp8`` lists the available ones)
 and values of the wrong type; ``check_override_keys`` refuses, before it composes, overrides
 of keys no schema has (with the close match), and ``check_option_keys`` those of keys only
-other options of the group have (``data.num_train`` is the connected digits'). ``validate_config`` checks, once
-and before any work, what a type cannot: keys added with ``+`` (``+trainer.epohcs=3`` would
-otherwise be accepted and ignored), value ranges and the device string, each refusal one line
+other options of the group have (``data.num_train`` is the connected digits').
+``validate_config`` checks, once and before any work, what a type cannot: keys added with
+``+`` (``+trainer.epohcs=3`` would otherwise be accepted and ignored), value ranges and the
+device string, each refusal one line
 naming the key and the valid choices.
 """
 

@@ -202,7 +202,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_unknown_override_keys(
-        DiagnoseRunConfig, config_name="diagnose"
-    )  # a key typo: one line naming the close match
+    # a key typo, or a key of another option: one line naming the fix
+    exit_on_unknown_override_keys(DiagnoseRunConfig, config_name="diagnose")
     main()

@@ -41,7 +41,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    exit_on_unknown_override_keys(
-        Config, config_name="config"
-    )  # a key typo: one line naming the close match
+    # a key typo, or a key of another option: one line naming the fix
+    exit_on_unknown_override_keys(Config, config_name="config")
     main()
