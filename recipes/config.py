@@ -7,8 +7,7 @@ of keys no schema has (with the close match), and ``check_option_keys`` those of
 other options of the group have (``data.num_train`` is the connected digits').
 ``validate_config`` checks, once and before any work, what a type cannot: keys added with
 ``+`` (``+trainer.epohcs=3`` would otherwise be accepted and ignored), value ranges and the
-device string, each refusal one line
-naming the key and the valid choices.
+device string, each refusal one line naming the key and the valid choices.
 """
 
 from __future__ import annotations
