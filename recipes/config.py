@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
@@ -251,6 +252,22 @@ def _unknown_key(parts: list[str], schemas: tuple[type, ...], where: str) -> str
     return _unknown_key(parts[1:], fields[head], f"{where}{head}.")
 
 
+def _value_overrides(overrides: Iterable[str]) -> list[tuple[str, Override]]:
+    """The command line's ``key=value`` overrides, parsed, without ``+``/``++``/``~`` ones
+    (``validate_config`` checks what they add); none if Hydra cannot parse them (its own
+    message then says what is wrong with the syntax)."""
+    items = [arg for arg in overrides if not arg.startswith("-") and "=" in arg]
+    try:
+        parsed = OverridesParser.create().parse_overrides(items)
+    except HydraException:
+        return []
+    return [
+        (item, override)
+        for item, override in zip(items, parsed, strict=True)
+        if not (override.is_add() or override.is_force_add() or override.is_delete())
+    ]
+
+
 def check_override_keys(overrides: Iterable[str], root: type) -> None:
     """Refuse, before Hydra composes anything, a ``key=value`` override of a key that no
     schema has (``trainer.epoch=3``), naming the close match and the valid keys.
@@ -268,15 +285,8 @@ def check_override_keys(overrides: Iterable[str], root: type) -> None:
     Raises:
         ConfigError: one line for the first unknown key.
     """
-    items = [arg for arg in overrides if not arg.startswith("-") and "=" in arg]
-    try:
-        parsed = OverridesParser.create().parse_overrides(items)
-    except HydraException:
-        return  # Hydra's own message says what is wrong with the syntax
-    for override in parsed:
+    for _, override in _value_overrides(overrides):
         key = override.key_or_group
-        if override.is_add() or override.is_force_add() or override.is_delete():
-            continue
         if override.package is not None or key.split(".")[0] == "hydra" or "/" in key:
             continue
         if (CONF_DIR / key).is_dir():
@@ -310,16 +320,10 @@ def check_option_keys(overrides: Iterable[str], config_name: str) -> None:
     Raises:
         ConfigError: one line for the first such key.
     """
-    items = [arg for arg in overrides if not arg.startswith("-") and "=" in arg]
-    try:
-        parsed = OverridesParser.create().parse_overrides(items)
-    except HydraException:
-        return
+    items = _value_overrides(overrides)
     suspects: dict[str, tuple[str, str, list[str]]] = {}  # argument -> group, key, options
-    for item, override in zip(items, parsed, strict=True):
+    for item, override in items:
         parts = override.key_or_group.split(".")
-        if override.is_add() or override.is_force_add() or override.is_delete():
-            continue
         if len(parts) < 2 or parts[0] not in OPTION_SCHEMAS or override.package is not None:
             continue
         group, key = parts[0], parts[1]
@@ -330,7 +334,7 @@ def check_option_keys(overrides: Iterable[str], config_name: str) -> None:
         return
     deciding = {group for group, _, _ in suspects.values()} | {"experiment"}
     kept = []
-    for item, override in zip(items, parsed, strict=True):
+    for item, override in items:
         if item in suspects:
             continue
         if override.is_sweep_override():
