@@ -167,12 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not runs:
             raise RunNotFoundError("No run folder given (e.g. outputs/fsdd_digits/...).")
-        missing = [run for run in runs if not Path(run).exists()]
-        if missing:
-            raise RunNotFoundError(
-                f"{missing[0]} does not exist (relative paths are read from {Path.cwd()}). "
-                "Pass the folder that recipes/train.py wrote."
-            )
+        for run in runs:  # every run is found before any is evaluated
+            find_run_dir(run)
         for new_file in (args.json, args.errors):
             if new_file is not None and new_file.exists():
                 raise FileExistsError(f"{new_file} exists; give a new file (nothing is rewritten).")

@@ -33,7 +33,17 @@ def is_run_dir(path: Path) -> bool:
 
 
 def find_run_dir(path: str | Path) -> Path:
-    """The run folder for a run folder, its ``checkpoints/`` or one ``CKPT+*`` inside it."""
+    """The run folder for a run folder, its ``checkpoints/`` or one ``CKPT+*`` inside it.
+
+    Raises:
+        RunNotFoundError: ``path`` does not exist (a relative path read from another
+            folder, a sweep job's folder given without its sweep's), or no run is there.
+    """
+    if not Path(path).exists():
+        raise RunNotFoundError(
+            f"{path} does not exist (relative paths are read from {Path.cwd()}). "
+            "Pass the folder that recipes/train.py wrote."
+        )
     path = Path(path).resolve()
     for candidate in (path, path.parent, path.parent.parent):
         if is_run_dir(candidate):

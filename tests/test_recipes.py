@@ -953,6 +953,9 @@ def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings
     )
     assert result.returncode == 2
     assert "not a training run folder" in result.stderr
+    missing = run_cli("transcribe.py", ["no_such_run", "a.wav"], fsdd_recordings)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "error: no_such_run does not exist (relative paths are read from" in missing.stderr
 
 
 def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
