@@ -252,20 +252,22 @@ def _unknown_key(parts: list[str], schemas: tuple[type, ...], where: str) -> str
     return _unknown_key(parts[1:], fields[head], f"{where}{head}.")
 
 
-def _value_overrides(overrides: Iterable[str]) -> list[tuple[str, Override]]:
-    """The command line's ``key=value`` overrides, parsed, without ``+``/``++``/``~`` ones
-    (``validate_config`` checks what they add); none if Hydra cannot parse them (its own
-    message then says what is wrong with the syntax)."""
-    items = [arg for arg in overrides if not arg.startswith("-") and "=" in arg]
+def _parsed_overrides(overrides: Iterable[str]) -> list[tuple[str, Override]]:
+    """The command line's overrides (``key=value``, ``+``/``++`` adds, ``~`` deletes), each
+    with Hydra's parse of it; none if Hydra cannot parse them (its own message then says
+    what is wrong with the syntax). Flags (``-m``, ``--cfg job``) are left out."""
+    items = [arg for arg in overrides if arg.startswith("~") or ("=" in arg and arg[0] != "-")]
     try:
         parsed = OverridesParser.create().parse_overrides(items)
     except HydraException:
         return []
-    return [
-        (item, override)
-        for item, override in zip(items, parsed, strict=True)
-        if not (override.is_add() or override.is_force_add() or override.is_delete())
-    ]
+    return list(zip(items, parsed, strict=True))
+
+
+def _sets_a_value(override: Override) -> bool:
+    """Whether ``override`` sets an existing key (``validate_config`` checks what ``+``,
+    ``++`` add; ``~`` deletes)."""
+    return not (override.is_add() or override.is_force_add() or override.is_delete())
 
 
 def check_override_keys(overrides: Iterable[str], root: type) -> None:
@@ -285,8 +287,10 @@ def check_override_keys(overrides: Iterable[str], root: type) -> None:
     Raises:
         ConfigError: one line for the first unknown key.
     """
-    for _, override in _value_overrides(overrides):
+    for _, override in _parsed_overrides(overrides):
         key = override.key_or_group
+        if not _sets_a_value(override):
+            continue
         if override.package is not None or key.split(".")[0] == "hydra" or "/" in key:
             continue
         if (CONF_DIR / key).is_dir():
@@ -320,11 +324,16 @@ def check_option_keys(overrides: Iterable[str], config_name: str) -> None:
     Raises:
         ConfigError: one line for the first such key.
     """
-    items = _value_overrides(overrides)
+    items = _parsed_overrides(overrides)
     suspects: dict[str, tuple[str, str, list[str]]] = {}  # argument -> group, key, options
     for item, override in items:
         parts = override.key_or_group.split(".")
-        if len(parts) < 2 or parts[0] not in OPTION_SCHEMAS or override.package is not None:
+        if (
+            not _sets_a_value(override)
+            or len(parts) < 2
+            or parts[0] not in OPTION_SCHEMAS
+            or override.package is not None
+        ):
             continue
         group, key = parts[0], parts[1]
         options = _options_with_key(group, key)

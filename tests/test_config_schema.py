@@ -124,6 +124,8 @@ def test_a_key_of_another_option_than_the_runs_is_refused_naming_the_options(arg
         ["-m", "data=fsdd_digits,fsdd_connected", "data.num_train=5"],  # Hydra's, per job
         ["trainer.epochs=3", "data.max_batch_seconds=8"],  # keys of every option: no compose
         ["data.num_train=(", "data.num_train=5"],  # Hydra cannot parse it: Hydra's
+        ["+experiment=gpu_asr", "data.num_train=5"],  # composed with the + override too
+        ["data=fsdd_connected", "~data.test_speakers", "data.num_train=5", "--cfg", "job"],
     ],
 )
 def test_keys_of_the_runs_options_pass_the_option_check(args):
