@@ -56,16 +56,17 @@ class AMPConfig:
 
 
 class TorchAutocast:
-    """``torch.autocast`` that does nothing at all for float32 (or no dtype).
+    """``torch.autocast`` that does nothing at all for float32.
 
-    All arguments are forwarded to ``torch.autocast``. Errors raised when entering
-    autocast (e.g. a dtype the device does not support) are re-raised with the dtype and
-    the device in the message, chained to the original error.
+    All arguments are forwarded to ``torch.autocast``. Without a ``dtype`` keyword it is
+    the float32 no-op; ``dtype=None`` is ``torch.autocast``'s own meaning, the device's
+    default autocast dtype (bf16 on a CPU, fp16 on CUDA), as in SpeechBrain. Errors raised
+    when entering autocast (e.g. a dtype the device does not support) are re-raised with
+    the dtype and the device in the message, chained to the original error.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        dtype = kwargs.get("dtype", torch.float32)
-        self.enabled = dtype is not None and dtype != torch.float32
+        self.enabled = kwargs.get("dtype", torch.float32) != torch.float32
         self.context = torch.autocast(*args, **kwargs) if self.enabled else nullcontext()
 
     def __enter__(self) -> Any:
