@@ -407,7 +407,8 @@ class Brain(GraphedSteps):
         """Called when a stage (train, valid, test) starts; e.g. reset metric trackers."""
 
     def on_stage_end(self, stage: Stage, stage_loss: float, epoch: int | None = None) -> None:
-        """Called when a stage ends; e.g. compute metrics and save a checkpoint."""
+        """Called when a stage ends; e.g. compute metrics and save a checkpoint. The VALID
+        and TEST stages' end runs under ``torch.no_grad()``, as in SpeechBrain."""
 
     def on_fit_batch_start(self, batch: Any, should_step: bool) -> None:
         """Called before each training batch."""
@@ -1041,7 +1042,8 @@ class Brain(GraphedSteps):
         avg_valid_loss = self._run_eval_loop(valid_set, Stage.VALID, epoch, enable)
         validated = time.perf_counter()
         self.train_stats["valid_time_s"] += validated - started
-        self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)  # saves the epoch's checkpoint
+        with torch.no_grad():  # as in SpeechBrain: evaluation's hooks build no graph
+            self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)  # saves the epoch's checkpoint
         ended = time.perf_counter() - validated  # counted from the next checkpoint on
         self.train_stats["epoch_end_time_s"] += ended
         self.step = 0
@@ -1170,7 +1172,8 @@ class Brain(GraphedSteps):
         finally:
             if made:  # a loader made here: its workers end with the evaluation
                 shut_down_workers(test_set)
-        self.on_stage_end(Stage.TEST, avg_test_loss, None)
+        with torch.no_grad():  # as in SpeechBrain, and as the VALID stage's end
+            self.on_stage_end(Stage.TEST, avg_test_loss, None)
         self.step = 0
         return avg_test_loss
 

@@ -1539,3 +1539,19 @@ def test_a_failed_background_write_while_fit_fails_is_logged_not_swapped_in(
         brain.fit(range(1, 3), loader, loader)
     assert "The last checkpoint could not be written" in caplog.text
     assert "No space left on device" in caplog.text
+
+
+def test_evaluation_stages_end_without_autograd_as_in_speechbrain():
+    """SpeechBrain calls on_stage_end of VALID and TEST inside torch.no_grad() (TRAIN's
+    outside it); here they ran with autograd on, so a hook that runs the model (an extra
+    scoring pass, an embedding of an enrolment set) built graphs and kept activations."""
+
+    class Recording(RegressionBrain):
+        def on_stage_end(self, stage, stage_loss, epoch=None):
+            self.grad_at_end = {**getattr(self, "grad_at_end", {}), stage: torch.is_grad_enabled()}
+
+    brain = Recording({"model": make_model()}, sgd(), run_opts=run_opts())
+    data = DataLoader(make_data(8), batch_size=4)
+    brain.fit(range(1), data, valid_set=data)
+    brain.evaluate(data)
+    assert brain.grad_at_end == {Stage.TRAIN: True, Stage.VALID: False, Stage.TEST: False}
