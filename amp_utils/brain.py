@@ -669,12 +669,17 @@ class Brain(GraphedSteps):
         return summed[0] / self.distributed.world_size
 
     def check_loss_isfinite(self, loss: torch.Tensor) -> bool:
-        """True if the loss is finite; counts non-finite ones (the step is skipped).
+        """True if the loss is finite; counts non-finite ones for ``nonfinite_patience``.
+
+        SpeechBrain's API, for a ``fit_batch`` overridden its way (which calls it on each
+        batch's loss): the batch is then not counted a second time when the loop reads its
+        loss back. The built-in ``fit_batch`` does not call it; it counts each batch's loss
+        one step later, without waiting for the device.
 
         Raises:
             NonFiniteLossError: after more than ``nonfinite_patience`` consecutive ones.
         """
-        return self.ledger.count_nonfinite(float(loss.detach()), self.step)
+        return self.ledger.check_loss(float(loss.detach()), self.step)
 
     def optimizers_step(self) -> StepInfo | None:
         """Unscale, clip all parameter groups, step through the scaler, then zero grads.

@@ -1555,3 +1555,34 @@ def test_evaluation_stages_end_without_autograd_as_in_speechbrain():
     brain.fit(range(1), data, valid_set=data)
     brain.evaluate(data)
     assert brain.grad_at_end == {Stage.TRAIN: True, Stage.VALID: False, Stage.TEST: False}
+
+
+def test_check_loss_isfinite_in_a_speechbrain_style_fit_batch_counts_each_loss_once():
+    """SpeechBrain's fit_batch calls check_loss_isfinite on each batch's loss. The loop
+    counted that loss again when it read it back, so 3 non-finite losses in a row (within
+    the default patience of 3) counted 4 and stopped the run, as the built-in fit_batch
+    does not."""
+
+    class SpeechBrainStyle(InjectedLossBrain):
+        def fit_batch(self, batch):
+            should_step = self.step % self.grad_accumulation_factor == 0
+            with self.training_ctx:
+                outputs = self.compute_forward(batch, Stage.TRAIN)
+                loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
+            scaled_loss = self.scaler.scale(loss / self.grad_accumulation_factor)
+            self.check_loss_isfinite(scaled_loss)
+            scaled_loss.backward()
+            if should_step:
+                self.optimizers_step()
+            return loss.detach().cpu()
+
+    for brain_class in (InjectedLossBrain, SpeechBrainStyle):
+        brain = brain_class(
+            {"model": make_model()},
+            sgd(),
+            hparams={"bad_steps": {2, 3, 4}, "factor": float("nan")},
+            run_opts=run_opts(nonfinite_patience=3, skip_nonfinite_grads=True),
+        )
+        brain.fit(range(1), DataLoader(make_data(32), batch_size=4))
+        assert (brain.optimizer_step, brain.skipped_steps) == (5, 3), brain_class
+        assert brain.nonfinite_count == 0
