@@ -335,10 +335,23 @@ class Brain(GraphedSteps):
         """The validation/test precision in use."""
         return self.eval_amp.name
 
+    # Every other run option SpeechBrain's RunOptions has too (``device`` is the
+    # ``torch.device`` in use).
     max_grad_norm = _run_option("max_grad_norm")
     grad_accumulation_factor = _run_option("grad_accumulation_factor")
+    skip_nonfinite_grads = _run_option("skip_nonfinite_grads")
+    nonfinite_patience = _run_option("nonfinite_patience")
     noprogressbar = _run_option("noprogressbar")
+    ckpt_interval_minutes = _run_option("ckpt_interval_minutes")
+    ckpt_interval_steps = _run_option("ckpt_interval_steps")
     debug = _run_option("debug")
+    debug_batches = _run_option("debug_batches")
+    debug_epochs = _run_option("debug_epochs")
+    compile = _run_option("compile")
+    compile_module_keys = _run_option("compile_module_keys")
+    compile_mode = _run_option("compile_mode")
+    distributed_backend = _run_option("distributed_backend")
+    find_unused_parameters = _run_option("find_unused_parameters")
 
     @property
     def training_ctx(self) -> TorchAutocast:

@@ -18,6 +18,7 @@ from amp_utils import (
     Checkpointer,
     EpochCounter,
     NonFiniteLossError,
+    RunOptions,
     Stage,
     TrainingInterrupted,
 )
@@ -1586,3 +1587,53 @@ def test_check_loss_isfinite_in_a_speechbrain_style_fit_batch_counts_each_loss_o
         brain.fit(range(1), DataLoader(make_data(32), batch_size=4))
         assert (brain.optimizer_step, brain.skipped_steps) == (5, 3), brain_class
         assert brain.nonfinite_count == 0
+
+
+#: SpeechBrain's run options that RunOptions has too, read as Brain attributes there.
+SPEECHBRAIN_RUN_OPTIONS = (
+    "max_grad_norm",
+    "grad_accumulation_factor",
+    "skip_nonfinite_grads",
+    "nonfinite_patience",
+    "noprogressbar",
+    "ckpt_interval_minutes",
+    "ckpt_interval_steps",
+    "debug",
+    "debug_batches",
+    "debug_epochs",
+    "compile",
+    "compile_module_keys",
+    "compile_mode",
+    "distributed_backend",
+    "find_unused_parameters",
+)
+
+
+def test_speechbrain_run_options_read_as_brain_attributes():
+    """SpeechBrain's Brain has every run option as an attribute (``self.skip_nonfinite_grads``,
+    ``self.ckpt_interval_minutes``, ...); here only four were, and code written for it
+    failed with AttributeError on the others."""
+    brain = RegressionBrain(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(skip_nonfinite_grads=True, ckpt_interval_minutes=2.5, debug_batches=3),
+    )
+    for name in SPEECHBRAIN_RUN_OPTIONS:
+        assert getattr(brain, name) == getattr(brain.run_opts, name), name
+    assert (brain.skip_nonfinite_grads, brain.ckpt_interval_minutes, brain.debug_batches) == (
+        True,
+        2.5,
+        3,
+    )
+    with pytest.raises(AttributeError):
+        brain.nonfinite_patience = 5  # read-only, as the options they mirror
+
+
+def test_every_run_option_speechbrain_shares_is_a_brain_attribute():
+    """The list above is complete: each field of SpeechBrain's RunOptions that ours has
+    (but ``device``: here the torch.device in use; and the precisions, in use) reads."""
+    speechbrain_core = pytest.importorskip("speechbrain.core")
+    shared = {f.name for f in dataclasses.fields(speechbrain_core.RunOptions)} & {
+        f.name for f in dataclasses.fields(RunOptions)
+    }
+    assert shared - {"device", "precision", "eval_precision"} == set(SPEECHBRAIN_RUN_OPTIONS)
