@@ -455,6 +455,10 @@ class Brain(GraphedSteps):
         self._compile()
         self._set_up_weight_casts()
         self.init_optimizers()
+        if not self.optimizers_dict and self.optimizer is not None:
+            # An init_optimizers override written for SpeechBrain before optimizers_dict
+            # sets self.optimizer only; SpeechBrain steps that optimizer, and so does this.
+            self.optimizers_dict = {"optimizer": self.optimizer}
         if self.checkpointer is not None:
             ckpt = self.checkpointer.recover_if_possible(map_location=self.device)
             if ckpt is not None:

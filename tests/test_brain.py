@@ -1637,3 +1637,24 @@ def test_every_run_option_speechbrain_shares_is_a_brain_attribute():
         f.name for f in dataclasses.fields(RunOptions)
     }
     assert shared - {"device", "precision", "eval_precision"} == set(SPEECHBRAIN_RUN_OPTIONS)
+
+
+def test_an_init_optimizers_that_sets_only_self_optimizer_trains_as_in_speechbrain():
+    """SpeechBrain steps ``self.optimizer`` when an ``init_optimizers`` override (written
+    before ``optimizers_dict`` existed) sets only that; here such a Brain trained silently
+    without a single step."""
+
+    class OldStyle(RegressionBrain):
+        def init_optimizers(self):
+            self.optimizer = self.opt_class(self.modules.parameters())
+
+    data = DataLoader(make_data(16), batch_size=4)
+    old_style = OldStyle({"model": make_model()}, sgd(), run_opts=run_opts())
+    old_style.fit(range(1), data)
+    built_in = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    built_in.fit(range(1), data)
+    assert old_style.optimizer_step == built_in.optimizer_step == 4
+    for ours, reference in zip(
+        old_style.modules.parameters(), built_in.modules.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours, reference)
