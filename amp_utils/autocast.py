@@ -2,9 +2,20 @@
 
 ``AMPConfig`` maps a precision name to a dtype, ``TorchAutocast`` is ``torch.autocast`` that
 is a true no-op for fp32, and ``fwd_default_precision`` pins a module's forward to a safe
-precision (fp32 by default) even when the caller runs under autocast. Unlike SpeechBrain's
-original, the decorator uses ``torch.amp.custom_fwd`` with the device type of the inputs, so
-it works for CPU autocast as well as CUDA autocast.
+precision (fp32 by default) even when the caller runs under autocast; as SpeechBrain's (1.1),
+the decorator uses ``torch.amp.custom_fwd`` with the device type of the first tensor input,
+so it works for CPU autocast as well as CUDA autocast.
+
+Where these differ from SpeechBrain's, on purpose (``tests/test_speechbrain_parity.py``
+compares the rest):
+
+* ``fwd_default_precision``: a call with keyword arguments only, or with a number or list
+  first, works (SpeechBrain's fails inside ``custom_fwd``, even outside autocast), and on a
+  device without autocast (``meta``) the function runs untouched (SpeechBrain's raises);
+  the wrapper carries ``cast_inputs`` for tools that ask what it does.
+* ``AMPConfig.from_name``'s error quotes the name (``('fp8')``); ``AMPConfig.name`` is extra.
+* ``TorchAutocast``'s error on entering autocast also says the original error; its
+  ``enabled`` attribute is extra.
 """
 
 from __future__ import annotations
@@ -56,16 +67,17 @@ class AMPConfig:
 
 
 class TorchAutocast:
-    """``torch.autocast`` that does nothing at all for float32 (or no dtype).
+    """``torch.autocast`` that does nothing at all for float32.
 
-    All arguments are forwarded to ``torch.autocast``. Errors raised when entering
-    autocast (e.g. a dtype the device does not support) are re-raised with the dtype and
-    the device in the message, chained to the original error.
+    All arguments are forwarded to ``torch.autocast``. Without a ``dtype`` keyword it is
+    the float32 no-op; ``dtype=None`` is ``torch.autocast``'s own meaning, the device's
+    default autocast dtype (bf16 on a CPU, fp16 on CUDA), as in SpeechBrain. Errors raised
+    when entering autocast (e.g. a dtype the device does not support) are re-raised with
+    the dtype and the device in the message, chained to the original error.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        dtype = kwargs.get("dtype", torch.float32)
-        self.enabled = dtype is not None and dtype != torch.float32
+        self.enabled = kwargs.get("dtype", torch.float32) != torch.float32
         self.context = torch.autocast(*args, **kwargs) if self.enabled else nullcontext()
 
     def __enter__(self) -> Any:

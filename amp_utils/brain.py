@@ -335,10 +335,23 @@ class Brain(GraphedSteps):
         """The validation/test precision in use."""
         return self.eval_amp.name
 
+    # Every other run option SpeechBrain's RunOptions has too (``device`` is the
+    # ``torch.device`` in use).
     max_grad_norm = _run_option("max_grad_norm")
     grad_accumulation_factor = _run_option("grad_accumulation_factor")
+    skip_nonfinite_grads = _run_option("skip_nonfinite_grads")
+    nonfinite_patience = _run_option("nonfinite_patience")
     noprogressbar = _run_option("noprogressbar")
+    ckpt_interval_minutes = _run_option("ckpt_interval_minutes")
+    ckpt_interval_steps = _run_option("ckpt_interval_steps")
     debug = _run_option("debug")
+    debug_batches = _run_option("debug_batches")
+    debug_epochs = _run_option("debug_epochs")
+    compile = _run_option("compile")
+    compile_module_keys = _run_option("compile_module_keys")
+    compile_mode = _run_option("compile_mode")
+    distributed_backend = _run_option("distributed_backend")
+    find_unused_parameters = _run_option("find_unused_parameters")
 
     @property
     def training_ctx(self) -> TorchAutocast:
@@ -407,7 +420,8 @@ class Brain(GraphedSteps):
         """Called when a stage (train, valid, test) starts; e.g. reset metric trackers."""
 
     def on_stage_end(self, stage: Stage, stage_loss: float, epoch: int | None = None) -> None:
-        """Called when a stage ends; e.g. compute metrics and save a checkpoint."""
+        """Called when a stage ends; e.g. compute metrics and save a checkpoint. The VALID
+        and TEST stages' end runs under ``torch.no_grad()``, as in SpeechBrain."""
 
     def on_fit_batch_start(self, batch: Any, should_step: bool) -> None:
         """Called before each training batch."""
@@ -441,6 +455,10 @@ class Brain(GraphedSteps):
         self._compile()
         self._set_up_weight_casts()
         self.init_optimizers()
+        if not self.optimizers_dict and self.optimizer is not None:
+            # An init_optimizers override written for SpeechBrain before optimizers_dict
+            # sets self.optimizer only; SpeechBrain steps that optimizer, and so does this.
+            self.optimizers_dict = {"optimizer": self.optimizer}
         if self.checkpointer is not None:
             ckpt = self.checkpointer.recover_if_possible(map_location=self.device)
             if ckpt is not None:
@@ -668,12 +686,17 @@ class Brain(GraphedSteps):
         return summed[0] / self.distributed.world_size
 
     def check_loss_isfinite(self, loss: torch.Tensor) -> bool:
-        """True if the loss is finite; counts non-finite ones (the step is skipped).
+        """True if the loss is finite; counts non-finite ones for ``nonfinite_patience``.
+
+        SpeechBrain's API, for a ``fit_batch`` overridden its way (which calls it on each
+        batch's loss): the batch is then not counted a second time when the loop reads its
+        loss back. The built-in ``fit_batch`` does not call it; it counts each batch's loss
+        one step later, without waiting for the device.
 
         Raises:
             NonFiniteLossError: after more than ``nonfinite_patience`` consecutive ones.
         """
-        return self.ledger.count_nonfinite(float(loss.detach()), self.step)
+        return self.ledger.check_loss(float(loss.detach()), self.step)
 
     def optimizers_step(self) -> StepInfo | None:
         """Unscale, clip all parameter groups, step through the scaler, then zero grads.
@@ -1041,7 +1064,8 @@ class Brain(GraphedSteps):
         avg_valid_loss = self._run_eval_loop(valid_set, Stage.VALID, epoch, enable)
         validated = time.perf_counter()
         self.train_stats["valid_time_s"] += validated - started
-        self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)  # saves the epoch's checkpoint
+        with torch.no_grad():  # as in SpeechBrain: evaluation's hooks build no graph
+            self.on_stage_end(Stage.VALID, avg_valid_loss, epoch)  # saves the epoch's checkpoint
         ended = time.perf_counter() - validated  # counted from the next checkpoint on
         self.train_stats["epoch_end_time_s"] += ended
         self.step = 0
@@ -1170,7 +1194,8 @@ class Brain(GraphedSteps):
         finally:
             if made:  # a loader made here: its workers end with the evaluation
                 shut_down_workers(test_set)
-        self.on_stage_end(Stage.TEST, avg_test_loss, None)
+        with torch.no_grad():  # as in SpeechBrain, and as the VALID stage's end
+            self.on_stage_end(Stage.TEST, avg_test_loss, None)
         self.step = 0
         return avg_test_loss
 

@@ -43,7 +43,8 @@ class PendingBatch(NamedTuple):
 
     ``values`` holds the loss, then (if ``stepped``) the gradient norm and the skipped
     flag, then (if ``scaled``: fp16) the loss scale after the step, then (if ``signalled``:
-    DDP) how many ranks had caught a stop signal.
+    DDP) how many ranks had caught a stop signal. ``counted``: its loss has already been
+    counted for the non-finite patience (:meth:`StepLedger.check_loss`).
     """
 
     step: int
@@ -51,6 +52,7 @@ class PendingBatch(NamedTuple):
     stepped: bool
     scaled: bool
     signalled: bool = False
+    counted: bool = False
 
 
 class StepLedger:
@@ -88,6 +90,7 @@ class StepLedger:
         self.last_grad_norm: float | None = None  # of the last optimizer step read back
         self.stop_requested = False  # DDP: a rank caught a stop signal (read on every rank)
         self._pending: list[PendingBatch] = []
+        self._checked_steps: set[int] = set()  # batches check_loss counted, not yet recorded
 
     @property
     def avg_train_loss(self) -> float:
@@ -106,9 +109,12 @@ class StepLedger:
 
         ``ranks_signalled`` (DDP): the number of ranks that had caught a stop signal, summed
         in the batch's loss all-reduce; once read, ``stop_requested`` is set on every rank
-        at the same flush.
+        at the same flush. A batch whose loss :meth:`check_loss` has counted is not
+        counted again when it is read back.
         """
         self.records += 1
+        counted = step in self._checked_steps
+        self._checked_steps.clear()  # checks of batches never recorded are forgotten
         values = [loss]
         if step_info is not None:
             values += [step_info.grad_norm, step_info.skipped]
@@ -123,6 +129,7 @@ class StepLedger:
                 step_info is not None,
                 loss_scale is not None,
                 ranks_signalled is not None,
+                counted,
             )
         )
 
@@ -158,10 +165,23 @@ class StepLedger:
             )
         return False
 
+    def check_loss(self, loss: float, step: int) -> bool:
+        """:meth:`count_nonfinite` now, for batch ``step``, which :meth:`record` then
+        queues without counting it a second time when it is read back.
+
+        For ``Brain.check_loss_isfinite``, which a ``fit_batch`` overridden the SpeechBrain
+        way calls on each batch's loss: each non-finite loss counted twice made a streak of
+        n non-finite losses count 2n - 2 and end the run early (3 with the default
+        patience of 3).
+        """
+        self._checked_steps.add(step)
+        return self.count_nonfinite(loss, step)
+
     def _account(self, item: PendingBatch) -> None:
         values = item.values.get()  # the one read of this batch's values from the device
         loss = values[0]
-        if self.count_nonfinite(loss, item.step):
+        finite = math.isfinite(loss) if item.counted else self.count_nonfinite(loss, item.step)
+        if finite:
             self.train_loss.add(loss)
         # The learning rate this step used: read before on_applied_step moves the
         # schedule on (logged after it, train/lr showed the next step's rate).

@@ -159,3 +159,12 @@ def test_no_deprecated_amp_spellings_in_code():
         if needle in p.read_text()
     ]
     assert offenders == []
+
+
+def test_torch_autocast_dtype_none_is_the_device_default_as_in_speechbrain():
+    """``dtype=None`` means torch.autocast's default dtype for the device, as SpeechBrain's
+    TorchAutocast passes it on; it was taken for float32 and autocast stayed off."""
+    with TorchAutocast(device_type="cpu", dtype=None):
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.get_autocast_dtype("cpu")
+    assert not torch.is_autocast_enabled("cpu")

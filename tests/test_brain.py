@@ -18,6 +18,7 @@ from amp_utils import (
     Checkpointer,
     EpochCounter,
     NonFiniteLossError,
+    RunOptions,
     Stage,
     TrainingInterrupted,
 )
@@ -1539,3 +1540,121 @@ def test_a_failed_background_write_while_fit_fails_is_logged_not_swapped_in(
         brain.fit(range(1, 3), loader, loader)
     assert "The last checkpoint could not be written" in caplog.text
     assert "No space left on device" in caplog.text
+
+
+def test_evaluation_stages_end_without_autograd_as_in_speechbrain():
+    """SpeechBrain calls on_stage_end of VALID and TEST inside torch.no_grad() (TRAIN's
+    outside it); here they ran with autograd on, so a hook that runs the model (an extra
+    scoring pass, an embedding of an enrolment set) built graphs and kept activations."""
+
+    class Recording(RegressionBrain):
+        def on_stage_end(self, stage, stage_loss, epoch=None):
+            self.grad_at_end = {**getattr(self, "grad_at_end", {}), stage: torch.is_grad_enabled()}
+
+    brain = Recording({"model": make_model()}, sgd(), run_opts=run_opts())
+    data = DataLoader(make_data(8), batch_size=4)
+    brain.fit(range(1), data, valid_set=data)
+    brain.evaluate(data)
+    assert brain.grad_at_end == {Stage.TRAIN: True, Stage.VALID: False, Stage.TEST: False}
+
+
+def test_check_loss_isfinite_in_a_speechbrain_style_fit_batch_counts_each_loss_once():
+    """SpeechBrain's fit_batch calls check_loss_isfinite on each batch's loss. The loop
+    counted that loss again when it read it back, so 3 non-finite losses in a row (within
+    the default patience of 3) counted 4 and stopped the run, as the built-in fit_batch
+    does not."""
+
+    class SpeechBrainStyle(InjectedLossBrain):
+        def fit_batch(self, batch):
+            should_step = self.step % self.grad_accumulation_factor == 0
+            with self.training_ctx:
+                outputs = self.compute_forward(batch, Stage.TRAIN)
+                loss = self.compute_objectives(outputs, batch, Stage.TRAIN)
+            scaled_loss = self.scaler.scale(loss / self.grad_accumulation_factor)
+            self.check_loss_isfinite(scaled_loss)
+            scaled_loss.backward()
+            if should_step:
+                self.optimizers_step()
+            return loss.detach().cpu()
+
+    for brain_class in (InjectedLossBrain, SpeechBrainStyle):
+        brain = brain_class(
+            {"model": make_model()},
+            sgd(),
+            hparams={"bad_steps": {2, 3, 4}, "factor": float("nan")},
+            run_opts=run_opts(nonfinite_patience=3, skip_nonfinite_grads=True),
+        )
+        brain.fit(range(1), DataLoader(make_data(32), batch_size=4))
+        assert (brain.optimizer_step, brain.skipped_steps) == (5, 3), brain_class
+        assert brain.nonfinite_count == 0
+
+
+#: SpeechBrain's run options that RunOptions has too, read as Brain attributes there.
+SPEECHBRAIN_RUN_OPTIONS = (
+    "max_grad_norm",
+    "grad_accumulation_factor",
+    "skip_nonfinite_grads",
+    "nonfinite_patience",
+    "noprogressbar",
+    "ckpt_interval_minutes",
+    "ckpt_interval_steps",
+    "debug",
+    "debug_batches",
+    "debug_epochs",
+    "compile",
+    "compile_module_keys",
+    "compile_mode",
+    "distributed_backend",
+    "find_unused_parameters",
+)
+
+
+def test_speechbrain_run_options_read_as_brain_attributes():
+    """SpeechBrain's Brain has every run option as an attribute (``self.skip_nonfinite_grads``,
+    ``self.ckpt_interval_minutes``, ...); here only four were, and code written for it
+    failed with AttributeError on the others."""
+    brain = RegressionBrain(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(skip_nonfinite_grads=True, ckpt_interval_minutes=2.5, debug_batches=3),
+    )
+    for name in SPEECHBRAIN_RUN_OPTIONS:
+        assert getattr(brain, name) == getattr(brain.run_opts, name), name
+    assert (brain.skip_nonfinite_grads, brain.ckpt_interval_minutes, brain.debug_batches) == (
+        True,
+        2.5,
+        3,
+    )
+    with pytest.raises(AttributeError):
+        brain.nonfinite_patience = 5  # read-only, as the options they mirror
+
+
+def test_every_run_option_speechbrain_shares_is_a_brain_attribute():
+    """The list above is complete: each field of SpeechBrain's RunOptions that ours has
+    (but ``device``: here the torch.device in use; and the precisions, in use) reads."""
+    speechbrain_core = pytest.importorskip("speechbrain.core")
+    shared = {f.name for f in dataclasses.fields(speechbrain_core.RunOptions)} & {
+        f.name for f in dataclasses.fields(RunOptions)
+    }
+    assert shared - {"device", "precision", "eval_precision"} == set(SPEECHBRAIN_RUN_OPTIONS)
+
+
+def test_an_init_optimizers_that_sets_only_self_optimizer_trains_as_in_speechbrain():
+    """SpeechBrain steps ``self.optimizer`` when an ``init_optimizers`` override (written
+    before ``optimizers_dict`` existed) sets only that; here such a Brain trained silently
+    without a single step."""
+
+    class OldStyle(RegressionBrain):
+        def init_optimizers(self):
+            self.optimizer = self.opt_class(self.modules.parameters())
+
+    data = DataLoader(make_data(16), batch_size=4)
+    old_style = OldStyle({"model": make_model()}, sgd(), run_opts=run_opts())
+    old_style.fit(range(1), data)
+    built_in = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    built_in.fit(range(1), data)
+    assert old_style.optimizer_step == built_in.optimizer_step == 4
+    for ours, reference in zip(
+        old_style.modules.parameters(), built_in.modules.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours, reference)
