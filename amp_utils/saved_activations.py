@@ -166,7 +166,8 @@ def measure_saved(
     what it saves for the backward pass (per module unless ``by_module=False``, see
     :class:`SavedActivations`). The graph is dropped without a backward pass."""
     with SavedActivations(model, by_module) as saved, torch.enable_grad():
-        with TorchAutocast(device_type=device_type, dtype=dtype):
+        # None is fp32 here; TorchAutocast(dtype=None) is autocast's default 16-bit dtype
+        with TorchAutocast(device_type=device_type, dtype=dtype or torch.float32):
             output = forward()
         del output
     return saved.result

@@ -132,7 +132,8 @@ def count_step_operations(
     grads = {p: p.grad for p in model.parameters()}
     for p in grads:
         p.grad = None
-    counter = _OperationCount(model, dtype or torch.float32)
+    dtype = dtype or torch.float32  # TorchAutocast(dtype=None): autocast's default dtype
+    counter = _OperationCount(model, dtype)
     try:
         with counter:
             with TorchAutocast(device_type=device_type, dtype=dtype, cache_enabled=False):
