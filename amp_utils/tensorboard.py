@@ -90,6 +90,16 @@ class TensorBoardLogger:
                 value.tensor.CopyFrom(TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[0.0]))
             file_writer.add_summary(summary)
 
+    def flush(self) -> None:
+        """Put every event logged so far into the event file (if one was written).
+
+        Events are queued for a writer thread; a process killed before it wrote them loses
+        them. A run flushes before ``results.json`` marks it finished, since no later
+        session logs a finished run's final metrics again.
+        """
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> None:
         """Flush and close the event file (if one was written)."""
         if self._writer is not None:

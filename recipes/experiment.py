@@ -409,13 +409,18 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         if collapse is not None:
             logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
             results.collapsed = collapse.record()
+        # The TensorBoard record is complete and on disk before results.json marks the run
+        # finished: a rerun of a finished run changes nothing, so a run killed between the
+        # two would lack its test figures and hparams for good. (Killed before results.json,
+        # the rerun tests again and logs the same figures at the same step once more.)
+        hparams, metrics = tensorboard_hparams(cfg, results, data)
+        tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
+        tensorboard.log_hparams(hparams, list(metrics))
+        tensorboard.flush()
         results.write(out_dir / RESULTS_FILE)
         split = results.time_split()
         if split is not None:
             logger.info("time: %s", split)
-        hparams, metrics = tensorboard_hparams(cfg, results, data)
-        tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
-        tensorboard.log_hparams(hparams, list(metrics))
     finally:
         try:
             data.close()  # this job's loader workers end with it, not at a later collection
