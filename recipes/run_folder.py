@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
 from amp_utils.distributed import launch_rank
+from amp_utils.interruption import RESUME_HINT, TrainingInterrupted
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_ENV, MULTIRUN_ID_FILE
 from recipes.config import ConfigError
@@ -413,6 +414,11 @@ def run_job(job: Callable[[], float]) -> float:
         value = job()
         status.write("finished")
         return value
+    except TrainingInterrupted as err:  # a signal: saved, and how to resume
+        hint = sweep_resume_hint()
+        if hint is None:
+            raise
+        raise TrainingInterrupted(str(err).replace(RESUME_HINT, hint)) from None
     except USER_ERRORS as err:  # bad input: one line, no traceback, printed once
         log_to_files(logging.ERROR, f"{type(err).__name__}: {err}")  # the run's train.log
         status.write("failed", f"{type(err).__name__}: {err}")
@@ -425,6 +431,29 @@ def run_job(job: Callable[[], float]) -> float:
             raise
         logger.exception("This sweep job failed; the sweep goes on.")
     return failed_job_value()
+
+
+def sweep_resume_hint() -> str | None:
+    """How to resume this ``-m`` sweep job, when the same command would not: its sweep folder
+    is named by the clock (``multirun/${now:...}``, the default), so the same command starts
+    a new sweep in a new folder and trains every job from scratch. Names the folder to give
+    (``hydra.sweep.dir=PATH``); None outside sweeps or when the command fixed the folder."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra_cfg = HydraConfig.get()
+    for override in hydra_cfg.overrides.hydra:
+        key, _, value = str(override).partition("=")
+        if key.lstrip("+") == "hydra.sweep.dir" and "${" not in value:
+            return None  # fixed on the command line: the same command finds it
+    sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
+    return (
+        f"Run the same command again with hydra.sweep.dir={sweep_dir} to resume where it "
+        "stopped (without it the sweep starts again in a new folder named by the clock, "
+        "every job from scratch)."
+    )
 
 
 def failed_job_value() -> float:

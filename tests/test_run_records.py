@@ -10,7 +10,9 @@ wrapper that patches one function to send the signal (``_WRAPPER``).
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,3 +110,48 @@ def test_a_run_killed_just_after_its_results_keeps_its_final_tensorboard_metrics
     tags = scalar_tags(run_dir / "tb")
     assert {"test/loss", "test/accuracy_percent"} <= tags, sorted(tags)
     assert session_hparams(run_dir / "tb").get("model") == "xvector"
+
+
+def test_a_sweep_stopped_by_sigterm_says_how_to_resume_it_and_that_resumes(
+    tmp_path: Path, fsdd_root: Path
+) -> None:
+    """A sweep's folder is named by the clock (``multirun/<date>_<time>``): "run the same
+    command again" started a new sweep in a new folder, every job from scratch, and the
+    checkpoint the signal saved was never used. The hint must name the sweep folder, and
+    the command it gives must resume the interrupted job."""
+    args = [*TINY, "trainer.debug_batches=4", f"data.prepared_dir={tmp_path / 'prepared'}"]
+    sweep = ["-m", "precision=fp32,bf16"]
+    wrapper = tmp_path / "killing_wrapper.py"
+    wrapper.write_text(_WRAPPER)
+    env = _env(
+        fsdd_root,
+        KILL_AT="recipes.audio_brain:AudioBrain.fit_batch",
+        KILL_NTH="2",
+        KILL_SIG="SIGTERM",
+    )
+    stopped = subprocess.run(
+        [sys.executable, str(wrapper), "train.py", *sweep, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "Received SIGTERM: saved a checkpoint" in stopped.stderr, stopped.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    hint = re.search(r"hydra\.sweep\.dir=(\S+)", stopped.stderr)
+    assert hint, stopped.stderr[-1000:]
+    assert Path(hint.group(1)) == sweep_dir.absolute()
+
+    resumed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "recipes" / "train.py"), *sweep, *args, hint.group(0)],
+        cwd=tmp_path,
+        env=_env(fsdd_root),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "multirun").iterdir()] == [sweep_dir.name]
+    log = (sweep_dir / "0_precision=fp32" / "train.log").read_text()
+    assert "Resumed from" in log and "(optimizer step 2, 2 batches into the epoch)" in log
