@@ -22,6 +22,7 @@ sweep goes on with its other jobs (``recipes/train.py``).
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import logging.handlers
@@ -31,6 +32,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: runs there are not locked
+    fcntl = None  # type: ignore[assignment]
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -326,12 +332,60 @@ class RunFolder:
         self._taken = taken
         self._existing = taken.existing if taken else first_existing(self.path)
         self.accepted = False
+        self._lock_fd: int | None = None
         self._buffer: logging.handlers.MemoryHandler | None = None
         if taken and taken.log_files:  # keep the log lines until the log file may be written
             self._buffer = logging.handlers.MemoryHandler(
                 capacity=sys.maxsize, flushLevel=logging.CRITICAL + 1
             )
             logging.getLogger().addHandler(self._buffer)
+
+    def lock(self) -> None:
+        """Hold the run folder for this process until ``release``, or until the process ends
+        however it ends (the kernel drops the lock of a killed process).
+
+        Two processes training one folder (a command started again while its run still
+        runs, a requeued job beside the one it replaces) rotated each other's checkpoints
+        away, appended to one ``train.log`` and wrote ``results.json`` each, the last one
+        winning. The lock is ``flock`` on the folder itself, so no lock file is left behind.
+        A filesystem without locks (some network filesystems) gets a warning instead.
+
+        Raises:
+            ConfigError: another process holds the folder, naming it and the fix.
+        """
+        if fcntl is None or self._lock_fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                logger.warning(
+                    "Cannot lock the run folder %s (%s): nothing stops a second process from "
+                    "training in it at the same time.",
+                    self.path,
+                    err,
+                )
+                return
+            raise ConfigError(
+                f"The run folder {self.path} is in use by another training process (this "
+                "command's run still running?). Two processes in one folder delete each "
+                "other's checkpoints and overwrite each other's results. Fix: let that run "
+                "end (or stop it, then run this command again to resume it), or give this "
+                "command its own folder (hydra.run.dir=PATH)."
+            ) from None
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Let other processes have the folder (``lock``); a no-op if not held."""
+        if self._lock_fd is None:
+            return
+        try:  # unlocked, not only closed: forked loader workers share the descriptor
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def accept(self, cfg: DictConfig, write_files: bool = True) -> None:
         """The run goes ahead: write its config record and start its log file.

@@ -9,11 +9,13 @@ wrapper that patches one function to send the signal (``_WRAPPER``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -155,3 +157,53 @@ def test_a_sweep_stopped_by_sigterm_says_how_to_resume_it_and_that_resumes(
     assert [p.name for p in (tmp_path / "multirun").iterdir()] == [sweep_dir.name]
     log = (sweep_dir / "0_precision=fp32" / "train.log").read_text()
     assert "Resumed from" in log and "(optimizer step 2, 2 batches into the epoch)" in log
+
+
+def test_a_second_process_on_a_run_folder_in_use_is_refused(
+    tmp_path: Path, fsdd_root: Path
+) -> None:
+    """The same command started again while its run still trains (or a requeued job beside
+    the one it replaces) trained in the same folder at the same time: each process rotated
+    the other's checkpoints away, both appended to one ``train.log`` and each wrote
+    ``results.json``. The second process must be refused in one line and leave the folder
+    to the first; once the first is killed, the folder is free again."""
+    from recipes.run_folder import RunFolder
+
+    run_dir = tmp_path / "run"
+    args = _train_args(tmp_path, run_dir, "trainer.debug_batches=100000")  # whole epochs
+    first = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "recipes" / "train.py"), *args],
+        cwd=REPO_ROOT,
+        env=_env(fsdd_root),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        log = run_dir / "train.log"
+        deadline = time.monotonic() + 120
+        while not (log.is_file() and "run folder:" in log.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, (
+                "the first run did not start"
+            )
+            time.sleep(0.1)
+        try:
+            second = run_command(
+                [sys.executable, str(REPO_ROOT / "recipes" / "train.py"), *args],
+                _env(fsdd_root),
+                timeout=120,
+            )
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the second process trained in the folder in use") from None
+        assert second.returncode == 1, second.stderr[-3000:]
+        assert "is in use by another training process" in second.stderr
+        assert first.poll() is None, "the first run did not go on"
+        text = log.read_text()
+        assert text.count("run folder:") == 1 and "Resumed from" not in text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    folder = RunFolder(run_dir)  # a killed run's lock goes with it
+    folder.lock()
+    folder.release()
