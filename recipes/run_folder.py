@@ -275,6 +275,31 @@ class RunFolderCallback(Callback):
             problem = sweep_choice_problem(config)
             if problem is not None:
                 sys.exit(f"error: {problem}")
+        _take_sweep_job_hydra_files(config)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A sweep job: write the ``.hydra/`` files Hydra was told not to write
+        (``_take_sweep_job_hydra_files``), unless the job folder holds a run of other
+        overrides, which the job refuses: that run's record stays its own."""
+        subdir = _sweep_job_output_subdir(config)
+        if subdir is None:
+            return
+        run_dir = Path(str(config.hydra.runtime.output_dir))
+        try:
+            check_run_overrides(
+                run_dir, list(config.hydra.overrides.task), override_dirname_excludes(config.hydra)
+            )
+        except ConfigError:
+            return  # train() refuses the job and says why in train.log
+        hydra_cfg = copy.deepcopy(OmegaConf.create({"hydra": config.hydra}))
+        with read_write(hydra_cfg.hydra), open_dict(hydra_cfg.hydra):
+            hydra_cfg.hydra.output_subdir = subdir  # as Hydra would have written it
+            hydra_cfg.hydra.overrides.hydra = [
+                o for o in hydra_cfg.hydra.overrides.hydra if str(o) != _NO_OUTPUT_SUBDIR
+            ]
+        write_hydra_files(
+            run_dir / subdir, _task_config(config), hydra_cfg, config.hydra.overrides.task
+        )
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""
@@ -303,6 +328,53 @@ class RunFolderCallback(Callback):
                 run_dir, first_existing(run_dir), None if subdir is None else str(subdir), log_files
             )
             config.hydra.output_subdir = None  # RunFolder.accept writes .hydra
+
+
+#: The Hydra override by which a sweep's jobs leave ``.hydra/`` to ``on_job_start``, and
+#: the environment variable holding the folder name it replaces (jobs inherit it).
+_NO_OUTPUT_SUBDIR = "hydra.output_subdir=null"
+SWEEP_OUTPUT_SUBDIR_ENV = "AMP_UTILS_SWEEP_OUTPUT_SUBDIR"
+
+
+def _take_sweep_job_hydra_files(config: DictConfig) -> None:
+    """Tell Hydra not to write its ``.hydra/`` files into a sweep's job folders.
+
+    Hydra writes them before any callback or the job can look at the folder. A sweep run
+    again into its folder with another fixed value lands in the finished jobs' folders and
+    is refused there (``check_run_overrides``), but Hydra had written the refused
+    command's config over the finished run's record. ``RunFolderCallback.on_job_start``
+    writes the same files instead, where the job is not refused. Each job composes its
+    config from the multirun's Hydra overrides, so one more override reaches every job.
+    """
+    subdir = config.hydra.output_subdir
+    if subdir is None:  # the user asked for no .hydra/ files
+        return
+    os.environ[SWEEP_OUTPUT_SUBDIR_ENV] = str(subdir)
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.overrides.hydra.append(_NO_OUTPUT_SUBDIR)
+
+
+def _sweep_job_output_subdir(config: DictConfig) -> str | None:
+    """The ``.hydra/`` folder name a sweep job writes itself (None: Hydra wrote it, or
+    none is wanted)."""
+    if config.hydra.output_subdir is not None:
+        return None
+    if _NO_OUTPUT_SUBDIR not in [str(o) for o in config.hydra.overrides.hydra]:
+        return None
+    return os.environ.get(SWEEP_OUTPUT_SUBDIR_ENV, ".hydra")  # a launcher without its env
+
+
+def write_hydra_files(
+    hydra_dir: Path, task_cfg: DictConfig, hydra_cfg: DictConfig, overrides: Any
+) -> None:
+    """Hydra's ``config.yaml``, ``hydra.yaml`` and ``overrides.yaml``, as Hydra writes them."""
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    for name, node in (
+        ("config.yaml", task_cfg),
+        ("hydra.yaml", hydra_cfg),
+        ("overrides.yaml", overrides),
+    ):
+        (hydra_dir / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
 
 
 def _take_file_handlers(node: DictConfig, resolved: dict[str, Any]) -> list[tuple[str, str]]:
@@ -421,17 +493,12 @@ class RunFolder:
     def _write_hydra_files(self, cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        hydra_dir = self.path / self._taken.output_subdir
-        hydra_dir.mkdir(parents=True, exist_ok=True)
         hydra_cfg = copy.deepcopy(HydraConfig.instance().cfg)  # {"hydra": ...}, as Hydra saves
         with read_write(hydra_cfg.hydra), open_dict(hydra_cfg.hydra):
             hydra_cfg.hydra.output_subdir = self._taken.output_subdir
-        for name, node in (
-            ("config.yaml", cfg),
-            ("hydra.yaml", hydra_cfg),
-            ("overrides.yaml", hydra_cfg.hydra.overrides.task),
-        ):
-            (hydra_dir / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
+        write_hydra_files(
+            self.path / self._taken.output_subdir, cfg, hydra_cfg, hydra_cfg.hydra.overrides.task
+        )
 
     def abandon(self) -> None:
         """The run was refused before ``accept``: drop its log lines and the folders it made.

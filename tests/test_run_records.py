@@ -207,3 +207,35 @@ def test_a_second_process_on_a_run_folder_in_use_is_refused(
     folder = RunFolder(run_dir)  # a killed run's lock goes with it
     folder.lock()
     folder.release()
+
+
+def test_a_sweep_job_refused_for_other_overrides_leaves_the_finished_runs_config_alone(
+    tmp_path: Path, fsdd_root: Path
+) -> None:
+    """A sweep run again into its folder with another fixed value (``model.lr``) lands in
+    the finished jobs' folders and is refused there. Hydra wrote the refused command's
+    ``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` over the finished run's
+    before the job could refuse: the run's record then said it trained with the other
+    learning rate. The refused job may add why to ``train.log``; the config record and the
+    results stay as they were."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", *TINY, "precision=choice(fp32)", f"data.prepared_dir={tmp_path / 'prepared'}"]
+    args += [f"hydra.sweep.dir={sweep_dir}"]
+    first = run_train(fsdd_root, args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    job = sweep_dir / "0_precision=fp32"
+    kept = [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"]
+    kept += ["config_resolved.yaml", "run_overrides.yaml", "results.json", "test_errors.md"]
+    before = {name: (job / name).read_bytes() for name in kept}
+
+    refused = run_train(fsdd_root, [*args, "model.lr=0.005"])
+    assert refused.returncode == 1
+    assert "holds a run of other overrides" in (job / "train.log").read_text()
+    changed = [name for name in kept if (job / name).read_bytes() != before[name]]
+    assert not changed, changed
+
+    again = run_train(fsdd_root, args)  # the same sweep again: the run has finished
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "has finished" in again.stdout
+    changed = [name for name in kept if (job / name).read_bytes() != before[name]]
+    assert not changed, changed
