@@ -367,14 +367,15 @@ def _sweep_job_output_subdir(config: DictConfig) -> str | None:
 def write_hydra_files(
     hydra_dir: Path, task_cfg: DictConfig, hydra_cfg: DictConfig, overrides: Any
 ) -> None:
-    """Hydra's ``config.yaml``, ``hydra.yaml`` and ``overrides.yaml``, as Hydra writes them."""
-    hydra_dir.mkdir(parents=True, exist_ok=True)
+    """Hydra's ``config.yaml``, ``hydra.yaml`` and ``overrides.yaml``, as Hydra writes them,
+    but each atomically: a resumed session replaces the earlier one's whole or not at all
+    (a full disk or a kill in Hydra's in-place write left a truncated file)."""
     for name, node in (
         ("config.yaml", task_cfg),
         ("hydra.yaml", hydra_cfg),
         ("overrides.yaml", overrides),
     ):
-        (hydra_dir / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
+        atomic_write_text(hydra_dir / name, OmegaConf.to_yaml(node))
 
 
 def _take_file_handlers(node: DictConfig, resolved: dict[str, Any]) -> list[tuple[str, str]]:
@@ -471,7 +472,10 @@ class RunFolder:
         self.accepted = True
         if write_files:
             self.path.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(cfg, self.path / RESOLVED_CONFIG_FILE, resolve=True)
+            # atomic: a resumed session replaces the earlier one's record whole or not at all
+            atomic_write_text(
+                self.path / RESOLVED_CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True)
+            )
             overrides = hydra_task_overrides()
             if overrides is not None:  # what check_run_overrides compares a later command with
                 atomic_write_text(
