@@ -378,6 +378,39 @@ def write_hydra_files(
         atomic_write_text(hydra_dir / name, OmegaConf.to_yaml(node))
 
 
+def holds_training_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run of ``recipes/train.py`` (accepted, or with checkpoints
+    or results)."""
+    return any(
+        (run_dir / name).exists()
+        for name in (RESOLVED_CONFIG_FILE, RUN_OVERRIDES_FILE, RESULTS_FILE, "checkpoints")
+    )
+
+
+class DiagnosisFolderCallback(Callback):
+    """Hydra callback of ``recipes/diagnose.py`` (``conf/diagnose.yaml``): refuse a run
+    folder that holds a training run, before Hydra writes into it.
+
+    A diagnosis writes its config (``.hydra/``), its log and its report into its own
+    folder. Pointed at a training run's folder (``hydra.run.dir=RUN``), Hydra wrote the
+    diagnosis's config over the run's ``.hydra/config.yaml`` and ``hydra.yaml``, and its
+    histograms became a run nested in the run's ``tb/``.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Exit with one line, before Hydra creates or writes anything, if the folder holds
+        a training run."""
+        run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        if holds_training_run(run_dir):
+            sys.exit(
+                f"error: {run_dir} holds a training run; a diagnosis there would write its "
+                "config over the run's .hydra/ files and its report and TensorBoard "
+                "histograms among the run's. Nothing was changed. Fix: leave hydra.run.dir "
+                "out (diagnoses go to outputs/<data>/<model>/diagnose/...) or give a folder "
+                "of its own."
+            )
+
+
 def _take_file_handlers(node: DictConfig, resolved: dict[str, Any]) -> list[tuple[str, str]]:
     """Remove the file handlers from Hydra's job logging; returns (file, format) of each."""
     handlers = resolved.get("handlers") or {}

@@ -239,3 +239,23 @@ def test_a_sweep_job_refused_for_other_overrides_leaves_the_finished_runs_config
     assert "has finished" in again.stdout
     changed = [name for name in kept if (job / name).read_bytes() != before[name]]
     assert not changed, changed
+
+
+def test_a_diagnosis_pointed_at_a_training_run_folder_is_refused_and_changes_nothing(
+    tmp_path: Path, fsdd_root: Path
+) -> None:
+    """``recipes/diagnose.py`` writes its report into its own run folder. Pointed at a
+    training run's folder (``hydra.run.dir=RUN``), Hydra wrote the diagnosis's config over
+    the run's ``.hydra/config.yaml`` and ``hydra.yaml`` (the run's record then described a
+    diagnosis), and its histograms became a run nested in the training run's ``tb/``. It
+    must be refused before anything is written."""
+    run_dir = tmp_path / "run"
+    trained = run_train(fsdd_root, _train_args(tmp_path, run_dir))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    diagnose = [sys.executable, str(REPO_ROOT / "recipes" / "diagnose.py")]
+    refused = run_command([*diagnose, *_train_args(tmp_path, run_dir)], _env(fsdd_root))
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert "holds a training run" in refused.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
