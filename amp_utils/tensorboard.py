@@ -45,6 +45,14 @@ class TensorBoardLogger:
         if self._writer is None:
             self._purge_step = step
 
+    def start_over(self) -> None:
+        """The run starts from its first step, in a folder where a session killed before its
+        first checkpoint logged some: those points are superseded (``resume_at(0)``), else
+        each of those steps had two. A folder without events is left as it is. Call it
+        before the first write."""
+        if self._writer is None and any(self.log_dir.glob("events.out.tfevents.*")):
+            self._purge_step = 0
+
     @property
     def writer(self) -> SummaryWriter:
         """The event writer (created, with its event file, on first use)."""
