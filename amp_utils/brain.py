@@ -463,6 +463,10 @@ class Brain(GraphedSteps):
             ckpt = self.checkpointer.recover_if_possible(map_location=self.device)
             if ckpt is not None:
                 self._after_resume(ckpt)
+            else:  # from step 1: what a session killed before any checkpoint logged goes
+                start_over = getattr(self.tensorboard, "start_over", None)
+                if start_over is not None:
+                    start_over()
         self._set_up_step_graphs()
         self._set_up_eval_graphs()
 

@@ -164,10 +164,15 @@ class MidEpochCheckpointPolicy:
         self.last_save_time = time.time()
 
 
+#: How to resume, the last sentence of :func:`interrupted_error`'s message; a caller that
+#: knows the command needs more to land in the same folder replaces it (a ``-m`` sweep
+#: whose folder is named by the clock: ``recipes/run_folder.py``).
+RESUME_HINT = "Run the same command again to resume where it stopped."
+
+
 def interrupted_error(signum: int | None, epoch: Any, batch: int) -> TrainingInterrupted:
     """The exit raised after the signal's checkpoint, with the resume hint."""
     name = signal.Signals(signum or signal.SIGTERM).name  # None: another rank's signal
     return TrainingInterrupted(
-        f"Received {name}: saved a checkpoint at epoch {epoch}, batch {batch}. "
-        "Run the same command again to resume where it stopped."
+        f"Received {name}: saved a checkpoint at epoch {epoch}, batch {batch}. {RESUME_HINT}"
     )

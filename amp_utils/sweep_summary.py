@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from amp_utils.atomic import atomic_write_text
+from amp_utils.atomic import atomic_path, atomic_write_text
 from amp_utils.distributed import launch_rank
 from amp_utils.run_results import RESULTS_FILE, RunResults, metric_label
-from amp_utils.sweep_keys import precision_first, swept_keys
+from amp_utils.sweep_keys import MULTIRUN_FILE, precision_first, swept_keys
 from amp_utils.tensorboard import TENSORBOARD_DIR, write_sweep_experiment
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ MULTIRUN_ID_FILE = ".multirun_id"  # in the sweep folder: the multirun that laun
 #: ranks, sweeps run side by side) each keep their own.
 MULTIRUN_ID_ENV = "AMP_UTILS_MULTIRUN_ID"
 MISSING = "—"
+#: What each multirun writes anew in its sweep folder: the table (``summarize_sweep``) and
+#: Hydra's master config. A sweep run again into the folder keeps the earlier ones under
+#: their date (``keep_earlier_records``).
+SWEEP_RECORDS = ("summary.md", "summary.csv", MULTIRUN_FILE)
 SPEEDUP_COLUMN = "speed-up vs fp32"
 _LEADING_COLUMNS = ("run", "status", "precision", "device", "processes", "model", "data")
 _PRECISION_ORDER = ("fp32", "fp16", "bf16")
@@ -486,6 +491,49 @@ def write_hparams_experiment(sweep_dir: Path, runs: list[dict[str, Any]]) -> lis
         return []
 
 
+def keep_earlier_records(sweep_dir: Path) -> dict[Path, Path]:
+    """Copy each of ``SWEEP_RECORDS`` in ``sweep_dir`` to a name dated by its modification
+    time (``summary.2026-11-28_21-44-04.md``) before a multirun writes it anew.
+
+    A sweep run again into its folder (more or fewer precisions, other seeds) summarises
+    only the jobs it launched, and Hydra saves its own ``multirun.yaml``: without a copy the
+    earlier sweep's table and config were gone. ``drop_unchanged_copies`` removes the
+    copies of the records the multirun wrote the same again. Returns ``{record: copy}``.
+    """
+    kept = {}
+    for name in SWEEP_RECORDS:
+        path = sweep_dir / name
+        try:
+            data = path.read_bytes()
+            stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(path.stat().st_mtime))
+        except OSError:  # none yet
+            continue
+        copy = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+        number = 1
+        while copy.exists():
+            copy = path.with_name(f"{path.stem}.{stamp}_{number}{path.suffix}")
+            number += 1
+        with atomic_path(copy) as tmp:
+            tmp.write_bytes(data)
+        kept[path] = copy
+    return kept
+
+
+def drop_unchanged_copies(kept: dict[Path, Path]) -> list[Path]:
+    """Delete the copies (``keep_earlier_records``) of the records that are the same as
+    before; returns the copies kept."""
+    left = []
+    for path, copy in kept.items():
+        try:
+            if path.read_bytes() == copy.read_bytes():
+                copy.unlink()
+                continue
+        except OSError:  # the record is gone: its copy is all there is
+            pass
+        left.append(copy)
+    return left
+
+
 class SweepSummaryCallback(Callback):
     """Hydra callback that summarizes the sweep when a multirun ends.
 
@@ -499,6 +547,7 @@ class SweepSummaryCallback(Callback):
 
     def __init__(self) -> None:
         self.multirun: str | None = None
+        self._earlier: dict[Path, Path] = {}  # records of an earlier multirun: their copies
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Write a new id into the sweep folder: each job records it in its
@@ -511,6 +560,7 @@ class SweepSummaryCallback(Callback):
             return
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
+            self._earlier = keep_earlier_records(sweep_dir)  # before Hydra saves its config
             atomic_write_text(sweep_dir / MULTIRUN_ID_FILE, self.multirun + "\n")
         except OSError as err:  # the summary then lists every job folder, as before
             log.warning("Cannot write %s: %s", sweep_dir / MULTIRUN_ID_FILE, err)
@@ -538,6 +588,12 @@ class SweepSummaryCallback(Callback):
                 f"each job's results.json is in its folder in {sweep_dir}."
             ) from err
         print(f"Sweep summary ({sweep_dir / 'summary.md'}):\n{format_markdown(rows)}")
+        kept = drop_unchanged_copies(self._earlier)
+        if kept:
+            print(
+                "The earlier sweep's files in this folder are kept as "
+                + ", ".join(copy.name for copy in kept)
+            )
         failed = [row["run"] for row in rows if row.get("status") == "failed"]
         if failed:
             raise SystemExit(

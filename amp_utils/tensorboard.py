@@ -45,6 +45,14 @@ class TensorBoardLogger:
         if self._writer is None:
             self._purge_step = step
 
+    def start_over(self) -> None:
+        """The run starts from its first step, in a folder where a session killed before its
+        first checkpoint logged some: those points are superseded (``resume_at(0)``), else
+        each of those steps had two. A folder without events is left as it is. Call it
+        before the first write."""
+        if self._writer is None and any(self.log_dir.glob("events.out.tfevents.*")):
+            self._purge_step = 0
+
     @property
     def writer(self) -> SummaryWriter:
         """The event writer (created, with its event file, on first use)."""
@@ -89,6 +97,16 @@ class TensorBoardLogger:
                 # plugin reads only the metadata, but event readers list the tag as a tensor.
                 value.tensor.CopyFrom(TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[0.0]))
             file_writer.add_summary(summary)
+
+    def flush(self) -> None:
+        """Put every event logged so far into the event file (if one was written).
+
+        Events are queued for a writer thread; a process killed before it wrote them loses
+        them. A run flushes before ``results.json`` marks it finished, since no later
+        session logs a finished run's final metrics again.
+        """
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
         """Flush and close the event file (if one was written)."""

@@ -309,6 +309,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     try:
         return _train(cfg, folder, start)
     finally:
+        folder.release()
         folder.abandon()  # refused before it trained: no trace in the folder (else no-op)
 
 
@@ -318,6 +319,11 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
     dist_info = start_distributed(opts, device)
     check_same_run_folder(Path(cfg.output_dir))
     out_dir = run_on_main(ensure_writable, args=(Path(cfg.output_dir),))
+    run_on_main(folder.lock)  # one process (rank 0 for DDP) trains in a folder at a time
+    finished = finished_results(out_dir, cfg.trainer)
+    if finished is not None:  # finished by the process that held the folder until now
+        print(finished_message(out_dir, finished, cfg.trainer), flush=True)
+        return finished.to_dict()
     seed_everything(cfg.seed)
     data = build_data(cfg, device, dist_info)
     main = dist_info.is_main
@@ -409,13 +415,18 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
         if collapse is not None:
             logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
             results.collapsed = collapse.record()
+        # The TensorBoard record is complete and on disk before results.json marks the run
+        # finished: a rerun of a finished run changes nothing, so a run killed between the
+        # two would lack its test figures and hparams for good. (Killed before results.json,
+        # the rerun tests again and logs the same figures at the same step once more.)
+        hparams, metrics = tensorboard_hparams(cfg, results, data)
+        tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
+        tensorboard.log_hparams(hparams, list(metrics))
+        tensorboard.flush()
         results.write(out_dir / RESULTS_FILE)
         split = results.time_split()
         if split is not None:
             logger.info("time: %s", split)
-        hparams, metrics = tensorboard_hparams(cfg, results, data)
-        tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
-        tensorboard.log_hparams(hparams, list(metrics))
     finally:
         try:
             data.close()  # this job's loader workers end with it, not at a later collection

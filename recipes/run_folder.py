@@ -22,6 +22,7 @@ sweep goes on with its other jobs (``recipes/train.py``).
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import logging.handlers
@@ -32,11 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # not on Windows: runs there are not locked
+    fcntl = None  # type: ignore[assignment]
+
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
 from amp_utils.distributed import launch_rank
+from amp_utils.interruption import RESUME_HINT, TrainingInterrupted
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_ENV, MULTIRUN_ID_FILE
 from recipes.config import ConfigError
@@ -268,6 +275,31 @@ class RunFolderCallback(Callback):
             problem = sweep_choice_problem(config)
             if problem is not None:
                 sys.exit(f"error: {problem}")
+        _take_sweep_job_hydra_files(config)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A sweep job: write the ``.hydra/`` files Hydra was told not to write
+        (``_take_sweep_job_hydra_files``), unless the job folder holds a run of other
+        overrides, which the job refuses: that run's record stays its own."""
+        subdir = _sweep_job_output_subdir(config)
+        if subdir is None:
+            return
+        run_dir = Path(str(config.hydra.runtime.output_dir))
+        try:
+            check_run_overrides(
+                run_dir, list(config.hydra.overrides.task), override_dirname_excludes(config.hydra)
+            )
+        except ConfigError:
+            return  # train() refuses the job and says why in train.log
+        hydra_cfg = copy.deepcopy(OmegaConf.create({"hydra": config.hydra}))
+        with read_write(hydra_cfg.hydra), open_dict(hydra_cfg.hydra):
+            hydra_cfg.hydra.output_subdir = subdir  # as Hydra would have written it
+            hydra_cfg.hydra.overrides.hydra = [
+                o for o in hydra_cfg.hydra.overrides.hydra if str(o) != _NO_OUTPUT_SUBDIR
+            ]
+        write_hydra_files(
+            run_dir / subdir, _task_config(config), hydra_cfg, config.hydra.overrides.task
+        )
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""
@@ -298,6 +330,87 @@ class RunFolderCallback(Callback):
             config.hydra.output_subdir = None  # RunFolder.accept writes .hydra
 
 
+#: The Hydra override by which a sweep's jobs leave ``.hydra/`` to ``on_job_start``, and
+#: the environment variable holding the folder name it replaces (jobs inherit it).
+_NO_OUTPUT_SUBDIR = "hydra.output_subdir=null"
+SWEEP_OUTPUT_SUBDIR_ENV = "AMP_UTILS_SWEEP_OUTPUT_SUBDIR"
+
+
+def _take_sweep_job_hydra_files(config: DictConfig) -> None:
+    """Tell Hydra not to write its ``.hydra/`` files into a sweep's job folders.
+
+    Hydra writes them before any callback or the job can look at the folder. A sweep run
+    again into its folder with another fixed value lands in the finished jobs' folders and
+    is refused there (``check_run_overrides``), but Hydra had written the refused
+    command's config over the finished run's record. ``RunFolderCallback.on_job_start``
+    writes the same files instead, where the job is not refused. Each job composes its
+    config from the multirun's Hydra overrides, so one more override reaches every job.
+    """
+    subdir = config.hydra.output_subdir
+    if subdir is None:  # the user asked for no .hydra/ files
+        return
+    os.environ[SWEEP_OUTPUT_SUBDIR_ENV] = str(subdir)
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.overrides.hydra.append(_NO_OUTPUT_SUBDIR)
+
+
+def _sweep_job_output_subdir(config: DictConfig) -> str | None:
+    """The ``.hydra/`` folder name a sweep job writes itself (None: Hydra wrote it, or
+    none is wanted)."""
+    if config.hydra.output_subdir is not None:
+        return None
+    if _NO_OUTPUT_SUBDIR not in [str(o) for o in config.hydra.overrides.hydra]:
+        return None
+    return os.environ.get(SWEEP_OUTPUT_SUBDIR_ENV, ".hydra")  # a launcher without its env
+
+
+def write_hydra_files(
+    hydra_dir: Path, task_cfg: DictConfig, hydra_cfg: DictConfig, overrides: Any
+) -> None:
+    """Hydra's ``config.yaml``, ``hydra.yaml`` and ``overrides.yaml``, as Hydra writes them,
+    but each atomically: a resumed session replaces the earlier one's whole or not at all
+    (a full disk or a kill in Hydra's in-place write left a truncated file)."""
+    for name, node in (
+        ("config.yaml", task_cfg),
+        ("hydra.yaml", hydra_cfg),
+        ("overrides.yaml", overrides),
+    ):
+        atomic_write_text(hydra_dir / name, OmegaConf.to_yaml(node))
+
+
+def holds_training_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run of ``recipes/train.py`` (accepted, or with checkpoints
+    or results)."""
+    return any(
+        (run_dir / name).exists()
+        for name in (RESOLVED_CONFIG_FILE, RUN_OVERRIDES_FILE, RESULTS_FILE, "checkpoints")
+    )
+
+
+class DiagnosisFolderCallback(Callback):
+    """Hydra callback of ``recipes/diagnose.py`` (``conf/diagnose.yaml``): refuse a run
+    folder that holds a training run, before Hydra writes into it.
+
+    A diagnosis writes its config (``.hydra/``), its log and its report into its own
+    folder. Pointed at a training run's folder (``hydra.run.dir=RUN``), Hydra wrote the
+    diagnosis's config over the run's ``.hydra/config.yaml`` and ``hydra.yaml``, and its
+    histograms became a run nested in the run's ``tb/``.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Exit with one line, before Hydra creates or writes anything, if the folder holds
+        a training run."""
+        run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        if holds_training_run(run_dir):
+            sys.exit(
+                f"error: {run_dir} holds a training run; a diagnosis there would write its "
+                "config over the run's .hydra/ files and its report and TensorBoard "
+                "histograms among the run's. Nothing was changed. Fix: leave hydra.run.dir "
+                "out (diagnoses go to outputs/<data>/<model>/diagnose/...) or give a folder "
+                "of its own."
+            )
+
+
 def _take_file_handlers(node: DictConfig, resolved: dict[str, Any]) -> list[tuple[str, str]]:
     """Remove the file handlers from Hydra's job logging; returns (file, format) of each."""
     handlers = resolved.get("handlers") or {}
@@ -325,12 +438,60 @@ class RunFolder:
         self._taken = taken
         self._existing = taken.existing if taken else first_existing(self.path)
         self.accepted = False
+        self._lock_fd: int | None = None
         self._buffer: logging.handlers.MemoryHandler | None = None
         if taken and taken.log_files:  # keep the log lines until the log file may be written
             self._buffer = logging.handlers.MemoryHandler(
                 capacity=sys.maxsize, flushLevel=logging.CRITICAL + 1
             )
             logging.getLogger().addHandler(self._buffer)
+
+    def lock(self) -> None:
+        """Hold the run folder for this process until ``release``, or until the process ends
+        however it ends (the kernel drops the lock of a killed process).
+
+        Two processes training one folder (a command started again while its run still
+        runs, a requeued job beside the one it replaces) rotated each other's checkpoints
+        away, appended to one ``train.log`` and wrote ``results.json`` each, the last one
+        winning. The lock is ``flock`` on the folder itself, so no lock file is left behind.
+        A filesystem without locks (some network filesystems) gets a warning instead.
+
+        Raises:
+            ConfigError: another process holds the folder, naming it and the fix.
+        """
+        if fcntl is None or self._lock_fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                logger.warning(
+                    "Cannot lock the run folder %s (%s): nothing stops a second process from "
+                    "training in it at the same time.",
+                    self.path,
+                    err,
+                )
+                return
+            raise ConfigError(
+                f"The run folder {self.path} is in use by another training process (this "
+                "command's run still running?). Two processes in one folder delete each "
+                "other's checkpoints and overwrite each other's results. Fix: let that run "
+                "end (or stop it, then run this command again to resume it), or give this "
+                "command its own folder (hydra.run.dir=PATH)."
+            ) from None
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Let other processes have the folder (``lock``); a no-op if not held."""
+        if self._lock_fd is None:
+            return
+        try:  # unlocked, not only closed: forked loader workers share the descriptor
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def accept(self, cfg: DictConfig, write_files: bool = True) -> None:
         """The run goes ahead: write its config record and start its log file.
@@ -344,7 +505,10 @@ class RunFolder:
         self.accepted = True
         if write_files:
             self.path.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(cfg, self.path / RESOLVED_CONFIG_FILE, resolve=True)
+            # atomic: a resumed session replaces the earlier one's record whole or not at all
+            atomic_write_text(
+                self.path / RESOLVED_CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True)
+            )
             overrides = hydra_task_overrides()
             if overrides is not None:  # what check_run_overrides compares a later command with
                 atomic_write_text(
@@ -366,17 +530,12 @@ class RunFolder:
     def _write_hydra_files(self, cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        hydra_dir = self.path / self._taken.output_subdir
-        hydra_dir.mkdir(parents=True, exist_ok=True)
         hydra_cfg = copy.deepcopy(HydraConfig.instance().cfg)  # {"hydra": ...}, as Hydra saves
         with read_write(hydra_cfg.hydra), open_dict(hydra_cfg.hydra):
             hydra_cfg.hydra.output_subdir = self._taken.output_subdir
-        for name, node in (
-            ("config.yaml", cfg),
-            ("hydra.yaml", hydra_cfg),
-            ("overrides.yaml", hydra_cfg.hydra.overrides.task),
-        ):
-            (hydra_dir / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
+        write_hydra_files(
+            self.path / self._taken.output_subdir, cfg, hydra_cfg, hydra_cfg.hydra.overrides.task
+        )
 
     def abandon(self) -> None:
         """The run was refused before ``accept``: drop its log lines and the folders it made.
@@ -413,6 +572,11 @@ def run_job(job: Callable[[], float]) -> float:
         value = job()
         status.write("finished")
         return value
+    except TrainingInterrupted as err:  # a signal: saved, and how to resume
+        hint = sweep_resume_hint()
+        if hint is None:
+            raise
+        raise TrainingInterrupted(str(err).replace(RESUME_HINT, hint)) from None
     except USER_ERRORS as err:  # bad input: one line, no traceback, printed once
         log_to_files(logging.ERROR, f"{type(err).__name__}: {err}")  # the run's train.log
         status.write("failed", f"{type(err).__name__}: {err}")
@@ -425,6 +589,29 @@ def run_job(job: Callable[[], float]) -> float:
             raise
         logger.exception("This sweep job failed; the sweep goes on.")
     return failed_job_value()
+
+
+def sweep_resume_hint() -> str | None:
+    """How to resume this ``-m`` sweep job, when the same command would not: its sweep folder
+    is named by the clock (``multirun/${now:...}``, the default), so the same command starts
+    a new sweep in a new folder and trains every job from scratch. Names the folder to give
+    (``hydra.sweep.dir=PATH``); None outside sweeps or when the command fixed the folder."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra_cfg = HydraConfig.get()
+    for override in hydra_cfg.overrides.hydra:
+        key, _, value = str(override).partition("=")
+        if key.lstrip("+") == "hydra.sweep.dir" and "${" not in value:
+            return None  # fixed on the command line: the same command finds it
+    sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
+    return (
+        f"Run the same command again with hydra.sweep.dir={sweep_dir} to resume where it "
+        "stopped (without it the sweep starts again in a new folder named by the clock, "
+        "every job from scratch)."
+    )
 
 
 def failed_job_value() -> float:

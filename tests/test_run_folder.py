@@ -3,10 +3,15 @@ and a sweep job's status says finished only once it has."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import logging
+import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
@@ -72,3 +77,57 @@ def test_a_sweep_job_is_recorded_finished_only_once_it_has_finished(
         "status": "finished",
         "error": None,
     }
+
+
+@pytest.mark.parametrize("failing", ["config_resolved.yaml", ".hydra/hydra.yaml"])
+def test_a_resumed_run_that_cannot_write_its_config_record_keeps_the_earlier_one(
+    tmp_path: Path, monkeypatch, failing: str
+) -> None:
+    """A resumed (or extended) run rewrites ``config_resolved.yaml`` and ``.hydra/*.yaml``
+    when it is accepted. Written in place, a full disk (or a kill) in the write left the
+    file truncated: the run's record of its config, which ``evaluate.py`` reads, was lost
+    although the run had trained with it. Each file is replaced whole or not at all."""
+    run_dir = (tmp_path / "run").absolute()
+    earlier = {}
+    for name in ("config_resolved.yaml", ".hydra/config.yaml", ".hydra/hydra.yaml"):
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        earlier[name] = f"# the first session's {name}\n" + "trainer:\n  epochs: 2\n" * 50
+        (run_dir / name).write_text(earlier[name])
+    taken = run_folder._TakenOver(run_dir, run_dir, ".hydra", [])
+    monkeypatch.setattr(run_folder, "_taken_over", taken)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", HydraConfig.instance().cfg)  # restored
+    HydraConfig.instance().set_config(_multirun_job_config(tmp_path, "run"))
+    real_open = io.open
+
+    class FullDisk:  # writes half of what it is given, then the disk is full
+        def __init__(self, handle: Any) -> None:
+            self.handle = handle
+
+        def write(self, data: Any) -> int:
+            self.handle.write(data[: len(data) // 2])
+            self.handle.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self) -> FullDisk:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.handle.close()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.handle, name)
+
+    def full_disk_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(file, mode, *args, **kwargs)
+        target = Path(os.fspath(file)).absolute()
+        written = ("w" in mode or "a" in mode) and target.parent == (run_dir / failing).parent
+        is_failing = target.name == Path(failing).name or target.name.startswith(
+            f".{Path(failing).name}."  # an atomic write's temporary file
+        )
+        return FullDisk(handle) if written and is_failing else handle
+
+    monkeypatch.setattr(io, "open", full_disk_open)
+    with pytest.raises(OSError):
+        run_folder.RunFolder(run_dir).accept(OmegaConf.create({"trainer": {"epochs": 3}}))
+    monkeypatch.undo()
+    assert (run_dir / failing).read_text() == earlier[failing]

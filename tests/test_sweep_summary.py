@@ -565,3 +565,40 @@ def test_over_seeds_a_run_evaluated_in_another_precision_keeps_its_precisions_pl
     seeds = (tmp_path / "summary.md").read_text().split("## Over seeds", 1)[1]
     labels = [line.split(" | ")[3] for line in seeds.splitlines() if "fsdd_digits" in line]
     assert labels == ["fp16, eval fp32", "bf16"]
+
+
+def test_a_sweep_run_again_into_its_folder_keeps_the_earlier_summary(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``-m precision=fp32,fp16,bf16`` and then ``-m precision=fp32`` into the same
+    ``hydra.sweep.dir``: the second summary lists its own job only, and it was written over
+    the first one, so the three-precision table was gone (and Hydra's ``multirun.yaml``
+    held only the second sweep's config). The earlier files are kept under their date;
+    a sweep run again to the same results leaves no copy."""
+    monkeypatch.setenv(MULTIRUN_ID_ENV, "")
+    sweep = tmp_path / "sweep"
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    records = ("summary.md", "summary.csv", "multirun.yaml")
+
+    def multirun(jobs: list[str], master: str) -> None:
+        callback = SweepSummaryCallback()
+        callback.on_multirun_start(config)
+        (sweep / "multirun.yaml").write_text(master)  # Hydra's sweeper saves it next
+        for job in jobs:
+            if not (sweep / job).exists():
+                precision = job.partition("=")[2]
+                _write_job(sweep, job, [f"precision={precision}"], _results(precision, []))
+            _write_status(sweep, job, callback.multirun, "finished")
+        callback.on_multirun_end(config)
+
+    multirun(["0_precision=fp32", "1_precision=fp16", "2_precision=bf16"], "precisions: 3\n")
+    earlier = {name: (sweep / name).read_text() for name in records}
+    files = sorted(p.name for p in sweep.iterdir())
+    multirun(["0_precision=fp32", "1_precision=fp16", "2_precision=bf16"], "precisions: 3\n")
+    assert sorted(p.name for p in sweep.iterdir()) == files  # the same results: no copy
+
+    multirun(["0_precision=fp32"], "precisions: 1\n")
+    assert [row["run"] for row in read_summary_csv(sweep)] == ["0_precision=fp32"]
+    texts = [p.read_text() for p in sweep.iterdir() if p.is_file()]
+    lost = [name for name, text in earlier.items() if text not in texts]
+    assert not lost, lost

@@ -264,3 +264,47 @@ def test_a_resumed_run_has_one_point_per_step(tmp_path: Path, monkeypatch):
     run()
     steps = [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
     assert steps == list(range(1, 9))
+
+
+def test_a_run_killed_before_its_first_checkpoint_has_one_point_per_step(
+    tmp_path: Path, monkeypatch
+):
+    """Killed before its first checkpoint (with the default 5-minute interval: any run
+    killed in its first minutes), the run starts again from step 1 and logs those steps
+    again; the killed session's points stayed beside them, two per step (found by the
+    2026-11-28 records audit with a real run: train/loss at steps 1, 2, 3, 1, 2, ...)."""
+    from torch.utils.data import DataLoader
+
+    from amp_utils import Checkpointer, EpochCounter
+    from tests.test_brain import (
+        RegressionBrain,
+        StopAfter,
+        dying_before,
+        make_data,
+        make_model,
+        run_opts,
+        sgd,
+    )
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
+
+    def run(kill_before: int | None = None) -> None:
+        brain = dying_before(RegressionBrain, kill_before)(
+            {"model": make_model()},
+            sgd(),
+            run_opts=run_opts(log_interval_steps=1),
+            checkpointer=Checkpointer(tmp_path / "ckpt"),
+            tensorboard=TensorBoardLogger(tmp_path / "tb"),
+        )
+        try:
+            brain.fit(EpochCounter(1), DataLoader(make_data(32), batch_size=4))
+        finally:
+            brain.tensorboard.close()
+
+    with contextlib.suppress(StopAfter):
+        run(kill_before=6)
+    assert not Checkpointer(tmp_path / "ckpt").list_checkpoints()
+    assert [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
+    run()
+    steps = [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
+    assert steps == list(range(1, 9))
