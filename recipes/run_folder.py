@@ -21,6 +21,7 @@ sweep goes on with its other jobs (``recipes/train.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import json
@@ -330,6 +331,28 @@ class RunFolderCallback(Callback):
             config.hydra.output_subdir = None  # RunFolder.accept writes .hydra
 
 
+#: Run-folder locks this process holds (``RunFolder.lock``): file descriptors.
+_HELD_LOCKS: set[int] = set()
+
+
+def _drop_locks_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the run-folder locks.
+
+    A ``flock`` lasts while any descriptor of it is open, and a forked child inherits them:
+    a run whose main process was killed alone (``kill -9 PID``, the OOM killer) kept its
+    folder locked until its orphaned loader workers noticed, seconds later, and a restart
+    in between was refused. Closed (not unlocked) in the child, the parent keeps its lock.
+    """
+    for fd in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
 #: The Hydra override by which a sweep's jobs leave ``.hydra/`` to ``on_job_start``, and
 #: the environment variable holding the folder name it replaces (jobs inherit it).
 _NO_OUTPUT_SUBDIR = "hydra.output_subdir=null"
@@ -461,7 +484,7 @@ class RunFolder:
         """
         if fcntl is None or self._lock_fd is not None:
             return
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # not in children
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -482,12 +505,14 @@ class RunFolder:
                 "command its own folder (hydra.run.dir=PATH)."
             ) from None
         self._lock_fd = fd
+        _HELD_LOCKS.add(fd)
 
     def release(self) -> None:
         """Let other processes have the folder (``lock``); a no-op if not held."""
         if self._lock_fd is None:
             return
-        try:  # unlocked, not only closed: forked loader workers share the descriptor
+        _HELD_LOCKS.discard(self._lock_fd)
+        try:  # unlocked, not only closed: a child forked otherwise may share the descriptor
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         finally:
             os.close(self._lock_fd)

@@ -209,6 +209,50 @@ def test_a_second_process_on_a_run_folder_in_use_is_refused(
     folder.release()
 
 
+def test_a_run_folder_is_free_once_its_process_is_killed_though_its_workers_live_on(
+    tmp_path: Path,
+) -> None:
+    """``kill -9`` of a run's main process alone (the OOM killer's way) leaves its forked
+    DataLoader workers alive for a few seconds; holding copies of the folder's lock, they
+    kept it locked, and a restart in between was refused as "in use"."""
+    import multiprocessing
+
+    from recipes.run_folder import RunFolder
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = f"""
+import multiprocessing, sys, time
+from pathlib import Path
+from recipes.run_folder import RunFolder
+folder = RunFolder(Path({str(run_dir)!r}))
+folder.lock()
+worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+worker.start()
+print(worker.pid, flush=True)
+time.sleep(60)
+"""
+    assert "fork" in multiprocessing.get_all_start_methods()
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        worker_pid = int(process.stdout.readline())
+        os.kill(process.pid, signal.SIGKILL)  # the main process alone
+        process.wait()
+        os.kill(worker_pid, 0)  # the worker lives on
+        folder = RunFolder(run_dir)
+        folder.lock()  # refused before: the worker's copy of the lock held the folder
+        folder.release()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
 def test_a_sweep_job_refused_for_other_overrides_leaves_the_finished_runs_config_alone(
     tmp_path: Path, fsdd_root: Path
 ) -> None:
