@@ -310,7 +310,8 @@ def _streamed(
     stream started here loads no epoch past ``until``."""
     current = _STREAMS.get(loader)
     if skip or current is None or not current.continues(loader, epoch):
-        # a DataLoader calls iter(sampler) twice when it starts
+        # a DataLoader draws iter(sampler) twice when it starts (once where SpeechBrain,
+        # imported, has patched its _reset); the stream counts from after the start
         sampler.spans_epochs, sampler.spans_until = True, until
         try:
             iterator = iter(loader)
