@@ -256,6 +256,42 @@ def parameter_verdict(stats: ParameterStats) -> ParameterVerdict:
     )
 
 
+def contain_fp16_overflows(modules: list[ModuleVerdict]) -> None:
+    """Point the fp32 alternative of each fp16 overflow at a module whose output fits fp16.
+
+    Pinning only the module that overflows keeps its output in fp32, values beyond 65504
+    included, and the fp16 layers that take that output cast it back to fp16: the overflow
+    moves one layer on (measured on the recipe: a feed-forward's first linear layer scaled
+    up, pinned alone, left the loss NaN, now from the second linear layer). So the
+    alternative names the innermost module, the overflowing one or a container of it, whose
+    fp32 output fits fp16: all the out-of-range values stay inside the fp32 region. When no
+    container fits (the values leave the model, e.g. its output layer), it names the module
+    itself and says that what takes its output must run in fp32 too. Changes ``fix`` in place.
+    """
+    by_name = {m.name: m for m in modules}
+    limit = FORMATS["fp16"].overflow_threshold
+    for m in modules:
+        if m.verdict != PREFER_BF16 or not m.overflow_share["fp16"] > OVERFLOW_SHARE_LIMIT:
+            continue
+        parts = m.name.split(".")
+        containers = [".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)]
+        fitting = next(
+            (name for name in containers if name in by_name and by_name[name].max_abs < limit),
+            None,
+        )
+        if fitting is not None:
+            m.fix = (
+                f"precision=bf16  (or keep fp16 elsewhere: {fp32_modules_line([fitting])}, the "
+                f"innermost module holding {m.name} whose output fits fp16; {m.name} alone "
+                "would hand its out-of-range fp32 output to fp16 layers)"
+            )
+        else:
+            m.fix = (
+                f"precision=bf16  (or keep fp16 elsewhere: {fp32_modules_line([m.name])}, if "
+                "what takes its output runs in fp32 too: no module around it fits fp16)"
+            )
+
+
 def _module_sort_key(m: ModuleVerdict, flagged: list[str]) -> tuple:
     """Worst verdict first; within one, the modules that made the problem before those
     that only hold one that did (a module around a culprit shares its verdict and its
@@ -291,6 +327,7 @@ def build_report(
 ) -> NumericsReport:
     """Verdicts from the probes' measurements, ranked worst first, and overall ones."""
     modules = [module_verdict(s, precision) for s in activations.stats.values() if s.calls]
+    contain_fp16_overflows(modules)
     flagged = [m.name for m in modules if m.verdict != FINE]
     modules.sort(key=lambda m: _module_sort_key(m, flagged))
     params = [parameter_verdict(s) for s in (gradients.stats.values() if gradients else [])]
