@@ -292,6 +292,29 @@ def contain_fp16_overflows(modules: list[ModuleVerdict]) -> None:
             )
 
 
+def locate_own_code_nonfinite(modules: list[ModuleVerdict]) -> None:
+    """Say so when a module's inf/NaN outputs come from its own forward code.
+
+    A module flagged for inf/NaN outputs, none of whose submodules makes inf/NaN from
+    finite inputs, made them between its submodules: in an operation of its own
+    ``forward`` that is no module (on the recipe: ``x * sqrt(d_model)`` in
+    ``ConformerCTC.forward`` overflowing fp16 once the front end's outputs reach ~1e4). The
+    reason said only that ``model`` outputs inf/NaN, which reads as "somewhere in the whole
+    model". Changes ``reason`` in place.
+    """
+    broken = [m.name for m in modules if m.nonfinite_autocast_share > 0]
+    names = [m.name for m in modules]
+    for m in modules:
+        if m.verdict == FINE or m.nonfinite_autocast_share == 0 or "inf/NaN" not in m.reason:
+            continue
+        has_children = any(holds(m.name, other) for other in names)
+        if has_children and not any(holds(m.name, other) for other in broken):
+            m.reason += (
+                f"; no module inside it makes inf/NaN from finite inputs: it arises in "
+                f"{m.name}'s own forward code, between its submodules"
+            )
+
+
 def _module_sort_key(m: ModuleVerdict, flagged: list[str]) -> tuple:
     """Worst verdict first; within one, the modules that made the problem before those
     that only hold one that did (a module around a culprit shares its verdict and its
@@ -328,6 +351,7 @@ def build_report(
     """Verdicts from the probes' measurements, ranked worst first, and overall ones."""
     modules = [module_verdict(s, precision) for s in activations.stats.values() if s.calls]
     contain_fp16_overflows(modules)
+    locate_own_code_nonfinite(modules)
     flagged = [m.name for m in modules if m.verdict != FINE]
     modules.sort(key=lambda m: _module_sort_key(m, flagged))
     params = [parameter_verdict(s) for s in (gradients.stats.values() if gradients else [])]

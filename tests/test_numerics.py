@@ -192,6 +192,29 @@ def test_an_overflow_no_container_holds_is_pinned_alone_with_a_warning():
         assert "runs in fp32 too" in module.fix
 
 
+class ScalesBetweenLayers(nn.Module):
+    """Two healthy layers with an overflowing multiplication between them, in its own
+    forward: the recipe's ``x * sqrt(d_model)`` after a front end whose outputs reach 1e4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.first.weight.fill_(1.0e3)
+            self.second.weight.normal_(0.0, 1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x) * 100.0)
+
+
+def test_an_inf_made_in_a_modules_own_code_is_said_to_come_from_there():
+    report = probe(nn.ModuleDict({"model": ScalesBetweenLayers()}), "fp16")
+    flagged = {m.name: m for m in report.flagged()}
+    assert "model.first" not in flagged  # its outputs (~1e4) fit fp16
+    assert "model's own forward code" in flagged["model"].reason
+
+
 def test_fix_line_applied_removes_the_flag():
     model = planted_model()
     assert verdicts(probe(model, "bf16"))["cancelling"] == KEEP_FP32
