@@ -256,6 +256,65 @@ def parameter_verdict(stats: ParameterStats) -> ParameterVerdict:
     )
 
 
+def contain_fp16_overflows(modules: list[ModuleVerdict]) -> None:
+    """Point the fp32 alternative of each fp16 overflow at a module whose output fits fp16.
+
+    Pinning only the module that overflows keeps its output in fp32, values beyond 65504
+    included, and the fp16 layers that take that output cast it back to fp16: the overflow
+    moves one layer on (measured on the recipe: a feed-forward's first linear layer scaled
+    up, pinned alone, left the loss NaN, now from the second linear layer). So the
+    alternative names the innermost module, the overflowing one or a container of it, whose
+    fp32 output fits fp16: all the out-of-range values stay inside the fp32 region. When no
+    container fits (the values leave the model, e.g. its output layer), it names the module
+    itself and says that what takes its output must run in fp32 too. Changes ``fix`` in place.
+    """
+    by_name = {m.name: m for m in modules}
+    limit = FORMATS["fp16"].overflow_threshold
+    for m in modules:
+        if m.verdict != PREFER_BF16 or not m.overflow_share["fp16"] > OVERFLOW_SHARE_LIMIT:
+            continue
+        parts = m.name.split(".")
+        containers = [".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)]
+        fitting = next(
+            (name for name in containers if name in by_name and by_name[name].max_abs < limit),
+            None,
+        )
+        if fitting is not None:
+            m.fix = (
+                f"precision=bf16  (or keep fp16 elsewhere: {fp32_modules_line([fitting])}, the "
+                f"innermost module holding {m.name} whose output fits fp16; {m.name} alone "
+                "would hand its out-of-range fp32 output to fp16 layers)"
+            )
+        else:
+            m.fix = (
+                f"precision=bf16  (or keep fp16 elsewhere: {fp32_modules_line([m.name])}, if "
+                "what takes its output runs in fp32 too: no module around it fits fp16)"
+            )
+
+
+def locate_own_code_nonfinite(modules: list[ModuleVerdict]) -> None:
+    """Say so when a module's inf/NaN outputs come from its own forward code.
+
+    A module flagged for inf/NaN outputs, none of whose submodules makes inf/NaN from
+    finite inputs, made them between its submodules: in an operation of its own
+    ``forward`` that is no module (on the recipe: ``x * sqrt(d_model)`` in
+    ``ConformerCTC.forward`` overflowing fp16 once the front end's outputs reach ~1e4). The
+    reason said only that ``model`` outputs inf/NaN, which reads as "somewhere in the whole
+    model". Changes ``reason`` in place.
+    """
+    broken = [m.name for m in modules if m.nonfinite_autocast_share > 0]
+    names = [m.name for m in modules]
+    for m in modules:
+        if m.verdict == FINE or m.nonfinite_autocast_share == 0 or "inf/NaN" not in m.reason:
+            continue
+        has_children = any(holds(m.name, other) for other in names)
+        if has_children and not any(holds(m.name, other) for other in broken):
+            m.reason += (
+                f"; no module inside it makes inf/NaN from finite inputs: it arises in "
+                f"{m.name}'s own forward code, between its submodules"
+            )
+
+
 def _module_sort_key(m: ModuleVerdict, flagged: list[str]) -> tuple:
     """Worst verdict first; within one, the modules that made the problem before those
     that only hold one that did (a module around a culprit shares its verdict and its
@@ -291,6 +350,8 @@ def build_report(
 ) -> NumericsReport:
     """Verdicts from the probes' measurements, ranked worst first, and overall ones."""
     modules = [module_verdict(s, precision) for s in activations.stats.values() if s.calls]
+    contain_fp16_overflows(modules)
+    locate_own_code_nonfinite(modules)
     flagged = [m.name for m in modules if m.verdict != FINE]
     modules.sort(key=lambda m: _module_sort_key(m, flagged))
     params = [parameter_verdict(s) for s in (gradients.stats.values() if gradients else [])]

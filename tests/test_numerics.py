@@ -146,6 +146,75 @@ def test_the_fix_line_pins_the_innermost_flagged_modules_not_their_containers():
     assert report.fix_line() == "precision.fp32_modules=[model.1]"
 
 
+class BlowUpAndBack(nn.Module):
+    """A feed-forward whose first layer's outputs reach ~1e5 (beyond fp16) and whose second
+    layer brings them back to ~1: the recipe's FFN with its first linear layer scaled up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 8))
+        with torch.no_grad():
+            self.net[0].weight.fill_(2.0e4)
+            self.net[0].bias.zero_()
+            self.net[2].weight.normal_(0.0, 1e-5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_the_fp32_alternative_to_an_fp16_overflow_contains_it():
+    """Pinning only the layer that overflows keeps its output in fp32, and the next fp16
+    layer casts it back: the printed alternative left the outputs inf (the recipe's loss
+    NaN). It names the innermost container whose output fits fp16, which, applied as
+    printed, leaves no inf/NaN."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"ffn": BlowUpAndBack()})
+    report = probe(model, "fp16")
+    culprit = next(m for m in report.modules if m.name == "ffn.net.0")
+    assert culprit.verdict == PREFER_BF16 and "overflow" in culprit.reason
+    pattern = re.search(r"precision\.fp32_modules=\[([^\]]+)\]", culprit.fix).group(1)
+    assert pattern == "ffn.net"  # ffn.net.0 alone would hand 1e5 to ffn.net.2 in fp16
+    torch.manual_seed(0)
+    alone = nn.ModuleDict({"ffn": BlowUpAndBack()})
+    apply_fp32_modules(alone, ["ffn.net.0"])
+    assert not probe(alone, "fp16").fp16_safe  # the overflow moves on to ffn.net.2
+    apply_fp32_modules(model, [pattern])
+    after = probe(model, "fp16")
+    assert after.fp16_safe, after.overall["fp16"]
+    assert all(m.nonfinite_autocast_share == 0 for m in after.modules)
+
+
+def test_an_overflow_no_container_holds_is_pinned_alone_with_a_warning():
+    report = probe(planted_model(), "fp16")
+    for name in ("overflowing", "overflowing.linear"):  # the wrapper's output overflows too
+        module = next(m for m in report.modules if m.name == name)
+        assert f"precision.fp32_modules=[{name}]" in module.fix
+        assert "runs in fp32 too" in module.fix
+
+
+class ScalesBetweenLayers(nn.Module):
+    """Two healthy layers with an overflowing multiplication between them, in its own
+    forward: the recipe's ``x * sqrt(d_model)`` after a front end whose outputs reach 1e4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.first.weight.fill_(1.0e3)
+            self.second.weight.normal_(0.0, 1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x) * 100.0)
+
+
+def test_an_inf_made_in_a_modules_own_code_is_said_to_come_from_there():
+    report = probe(nn.ModuleDict({"model": ScalesBetweenLayers()}), "fp16")
+    flagged = {m.name: m for m in report.flagged()}
+    assert "model.first" not in flagged  # its outputs (~1e4) fit fp16
+    assert "model's own forward code" in flagged["model"].reason
+
+
 def test_fix_line_applied_removes_the_flag():
     model = planted_model()
     assert verdicts(probe(model, "bf16"))["cancelling"] == KEEP_FP32
