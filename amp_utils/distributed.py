@@ -299,6 +299,42 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(v) for v in values.tolist())
 
 
+#: What gloo's TCP transport says when the process at the other end of a connection has
+#: ended (killed, crashed, or stopped by its launcher).
+_PEER_GONE_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+)
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank of the job ended.
+
+    Under DDP a rank killed (``kill -9``, the OOM killer) or crashed breaks the others'
+    next collective (the gradient all-reduce, a metric sum) with a gloo error such as
+    "[.../gloo/transport/tcp/pair.cc:538] Read error ...: Connection reset by peer". That
+    was shown as a traceback through autograd, which named neither the cause (another
+    process) nor what to do (resume). False outside a multi-process group.
+    """
+    if not isinstance(err, RuntimeError) or not _multi_process():
+        return False
+    text = str(err)
+    return any(marker in text for marker in _PEER_GONE_MARKERS)
+
+
+def lost_a_peer_message(err: BaseException) -> str:
+    """The one-line explanation for :func:`lost_a_peer` errors: what happened, what to do."""
+    detail = " ".join(str(err).split())
+    detail = detail.rsplit("] ", 1)[-1][:200]  # gloo's source location is noise here
+    return (
+        f"Another process of this DDP run ended (this rank {distributed_info().rank} lost "
+        f"its connection: {detail}), so this one stops too. The launcher's output names the "
+        "process that ended and why; checkpoints already saved are intact. Run the same "
+        "command again to resume from the latest one."
+    )
+
+
 def convert_sync_batchnorm(
     modules: dict[str, torch.nn.Module], world_size: int, device: torch.device
 ) -> dict[str, torch.nn.Module]:
