@@ -233,6 +233,8 @@ class Brain(GraphedSteps):
         self._resume_grads: dict[str, Any] | None = None  # its unfinished window's gradients
         self._epoch_plan: str | None = None  # the training epoch's batch plan (its digest)
         self._resume_plan: str | None = None  # the interrupted epoch's, from the checkpoint
+        # (processes, grad_accumulation_factor or None if unrecorded) of the loaded checkpoint
+        self._resumed_layout: tuple[int, int | None] | None = None
         self._trained_batches = 0  # training batches of the epoch last trained
         self._stop_flag: torch.Tensor | None = None  # DDP: this rank caught a signal (0/1)
         self._ranks_signalled: torch.Tensor | None = None  # the batch's sum over the ranks
@@ -482,6 +484,66 @@ class Brain(GraphedSteps):
             ckpt.path,
             self.optimizer_step,
             self._resume_step,
+        )
+        self._report_batch_layout_change()
+
+    def _report_batch_layout_change(self) -> None:
+        """Warn (rank 0) when this session trains on another number of batches per optimizer
+        step than the session that saved the checkpoint it resumed from.
+
+        A run may be resumed under another number of processes (``docs/scaling.md``): each
+        step then averages the gradients of another number of batches (processes times
+        ``grad_accumulation_factor``), so the effective batch changes halfway through the
+        run. That is allowed, but it was silent: the log named neither the change nor the
+        factor that keeps the effective batch.
+        """
+        if self._resumed_layout is None or not self.distributed.is_main:
+            return
+        saved_procs, saved_factor = self._resumed_layout
+        procs, factor = self.distributed.world_size, self.run_opts.grad_accumulation_factor
+        if saved_factor is None:  # a checkpoint from before the factor was recorded
+            if saved_procs == procs:
+                return
+            logger.warning(
+                "Resumed a checkpoint saved by %d process(es) with %d process(es): each "
+                "optimizer step now sums the gradients of %d process(es) x "
+                "trainer.grad_accumulation_factor=%d batches (the checkpoint does not record "
+                "its factor), so the effective batch may have changed.",
+                saved_procs,
+                procs,
+                procs,
+                factor,
+            )
+            return
+        saved_batches, batches = saved_procs * saved_factor, procs * factor
+        if saved_batches == batches:
+            if saved_procs != procs:
+                logger.info(
+                    "Resumed a checkpoint of %d process(es) x grad_accumulation_factor %d "
+                    "with %d x %d: the same %d batches per optimizer step.",
+                    saved_procs,
+                    saved_factor,
+                    procs,
+                    factor,
+                    batches,
+                )
+            return
+        keep = (
+            f"To keep it, run with trainer.grad_accumulation_factor={saved_batches // procs}."
+            if saved_batches % procs == 0
+            else f"No factor keeps it with {procs} process(es)."
+        )
+        logger.warning(
+            "The effective batch changed on resume: the checkpoint was trained with %d "
+            "process(es) x trainer.grad_accumulation_factor=%d = %d batches per optimizer "
+            "step, this session trains %d x %d = %d. %s",
+            saved_procs,
+            saved_factor,
+            saved_batches,
+            procs,
+            factor,
+            batches,
+            keep,
         )
 
     def init_optimizers(self) -> None:
@@ -1255,6 +1317,8 @@ class Brain(GraphedSteps):
         state = {
             "step": self._resume_step,
             "world_size": self.distributed.world_size,
+            # with world_size, the batches per optimizer step (a resume reports a change)
+            "grad_accumulation_factor": self.run_opts.grad_accumulation_factor,
             "optimizer_step": self.optimizer_step,
             "skipped_steps": self.skipped_steps,
             "nonfinite_count": self.nonfinite_count,  # a streak of non-finite losses so far
@@ -1299,6 +1363,8 @@ class Brain(GraphedSteps):
                 "at an epoch end."
             )
         self._resume_step = done // world_size
+        factor = state.get("grad_accumulation_factor")
+        self._resumed_layout = (saved_world_size, None if factor is None else int(factor))
         self._resume_plan = state.get("epoch_plan")
         self._resume_grads = rank_window(state, saved_world_size, self.distributed)
         self.optimizer_step = int(state["optimizer_step"])

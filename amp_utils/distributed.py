@@ -23,6 +23,8 @@ import atexit
 import gc
 import logging
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -116,12 +118,49 @@ def init_distributed(backend: str = "auto", device_type: str = "cpu") -> Distrib
         torch.cuda.set_device(_local_gpu(int(os.environ.get("LOCAL_RANK", 0))))
     if already:  # started by the caller's own code
         return distributed_info()
+    end_with_launcher()
     dist.init_process_group(backend=resolve_backend(backend, device_type))
     atexit.register(destroy_distributed)
     info = distributed_info()
     if info.is_main:
         logger.info("Distributed: %d processes, backend %s", info.world_size, info.backend)
     return info
+
+
+#: Linux ``prctl`` option: the signal this process gets when its parent ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def end_with_launcher() -> bool:
+    """Under ``torchrun``, have this rank sent SIGTERM when its launcher process ends.
+
+    torchrun starts each rank in a session of its own (``start_new_session``), so a
+    signal to torchrun's process group does not reach the ranks, and torchrun forwards
+    only the signals it can catch. Killed with ``kill -9`` (its PID or its process group,
+    an out-of-memory kill), it left its ranks training on, orphaned: they held the run
+    folder, so the same command was refused ("in use by another training process"), and
+    they went on writing into it with nobody to see their output. With the parent-death
+    signal the ranks get SIGTERM instead, which the training loop turns into a joint stop
+    and a checkpoint, as for a SIGTERM forwarded by torchrun.
+
+    Linux only; a no-op (False) elsewhere, outside torchrun (``TORCHELASTIC_RUN_ID``) and
+    where ``prctl`` is unavailable. If the launcher is already gone, SIGTERM is sent at
+    once.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):  # no libc prctl: the ranks outlive a killed torchrun
+        return False
+    if os.getppid() != parent:  # the launcher ended before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def _local_gpu(local_rank: int) -> int:
@@ -297,6 +336,42 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=_control_group)
     return tuple(bool(v) for v in values.tolist())
+
+
+#: What gloo's TCP transport says when the process at the other end of a connection has
+#: ended (killed, crashed, or stopped by its launcher).
+_PEER_GONE_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+)
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank of the job ended.
+
+    Under DDP a rank killed (``kill -9``, the OOM killer) or crashed breaks the others'
+    next collective (the gradient all-reduce, a metric sum) with a gloo error such as
+    "[.../gloo/transport/tcp/pair.cc:538] Read error ...: Connection reset by peer". That
+    was shown as a traceback through autograd, which named neither the cause (another
+    process) nor what to do (resume). False outside a multi-process group.
+    """
+    if not isinstance(err, RuntimeError) or not _multi_process():
+        return False
+    text = str(err)
+    return any(marker in text for marker in _PEER_GONE_MARKERS)
+
+
+def lost_a_peer_message(err: BaseException) -> str:
+    """The one-line explanation for :func:`lost_a_peer` errors: what happened, what to do."""
+    detail = " ".join(str(err).split())
+    detail = detail.rsplit("] ", 1)[-1][:200]  # gloo's source location is noise here
+    return (
+        f"Another process of this DDP run ended (this rank {distributed_info().rank} lost "
+        f"its connection: {detail}), so this one stops too. The launcher's output names the "
+        "process that ended and why; checkpoints already saved are intact. Run the same "
+        "command again to resume from the latest one."
+    )
 
 
 def convert_sync_batchnorm(

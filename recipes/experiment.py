@@ -264,11 +264,41 @@ def ensure_writable(out_dir: Path) -> Path:
     return out_dir
 
 
+#: The log record factory before ``tag_log_records_with_rank`` wrapped it (None: not yet).
+_untagged_record_factory: Callable[..., logging.LogRecord] | None = None
+
+
+def tag_log_records_with_rank(rank: int) -> None:
+    """Start every later log message of this process with ``[rank N]``.
+
+    Under DDP every rank appends to the run's one ``train.log`` (and the console): rank 0
+    everything, the others their warnings and errors. Untagged, a warning that each rank
+    logs (a SIGTERM caught, a stall) appeared twice, identical, and one only rank 1 logged
+    (a signal that reached it alone) read as rank 0's. A record factory, not a handler
+    filter, so that log files opened later (``RunFolder.accept``) get the tag too. Calling
+    it again replaces the tag instead of adding a second one.
+    """
+    global _untagged_record_factory
+    if _untagged_record_factory is None:
+        _untagged_record_factory = logging.getLogRecordFactory()
+    untagged = _untagged_record_factory
+    tag = f"[rank {rank}] "
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = untagged(*args, **kwargs)
+        record.msg = tag + str(record.msg)
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
 def start_distributed(opts: RunOptions, device: torch.device) -> DistributedInfo:
-    """Join the DDP process group if launched for it; quiet the logs of ranks other than 0."""
+    """Join the DDP process group if launched for it; quiet the logs of ranks other than 0
+    and tag theirs with the rank (``tag_log_records_with_rank``)."""
     info = init_distributed(opts.distributed_backend, device.type)
     if not info.is_main:  # rank 0 logs the run; the others only warnings and errors
         logging.getLogger().setLevel(logging.WARNING)
+        tag_log_records_with_rank(info.rank)
     return info
 
 

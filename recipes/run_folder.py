@@ -43,7 +43,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
-from amp_utils.distributed import launch_rank
+from amp_utils.distributed import launch_rank, lost_a_peer, lost_a_peer_message
 from amp_utils.interruption import RESUME_HINT, TrainingInterrupted
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_ENV, MULTIRUN_ID_FILE
@@ -590,6 +590,9 @@ def run_job(job: Callable[[], float]) -> float:
     direction (``failed_job_value``); the sweep goes on, and its summary lists the job as
     failed (``SweepSummaryCallback``). A sweep job records how it went in its folder's
     ``job_status.json`` (``JobStatus``), for the summary of the multirun that launched it.
+    Under DDP, a rank whose collective failed because another rank ended (``kill -9``, a
+    crash: ``lost_a_peer``) exits with one ``error:`` line saying so and how to resume,
+    also written to ``train.log``, instead of gloo's traceback.
     """
     status = JobStatus.for_this_job()
     status.write("running")
@@ -610,6 +613,10 @@ def run_job(job: Callable[[], float]) -> float:
         print(f"error: {err}\n(this sweep job failed; the sweep goes on)", file=sys.stderr)
     except Exception as err:
         status.write("failed", f"{type(err).__name__}: {err}")
+        if lost_a_peer(err):  # another DDP rank ended: one line, not gloo's traceback
+            message = lost_a_peer_message(err)
+            log_to_files(logging.ERROR, message)  # train.log says why the run stopped
+            sys.exit(f"error: {message}")
         if not in_single_process_sweep():
             raise
         logger.exception("This sweep job failed; the sweep goes on.")

@@ -1658,3 +1658,74 @@ def test_an_init_optimizers_that_sets_only_self_optimizer_trains_as_in_speechbra
         old_style.modules.parameters(), built_in.modules.parameters(), strict=True
     ):
         torch.testing.assert_close(ours, reference)
+
+
+def layout_warnings(caplog) -> list[str]:
+    """The resume's warnings about the batches per optimizer step."""
+    return [r.getMessage() for r in caplog.records if "effective batch" in r.getMessage()]
+
+
+def test_a_resume_with_another_accumulation_factor_says_the_effective_batch_changed(
+    tmp_path, caplog
+):
+    """A run may change trainer.grad_accumulation_factor on resume (docs/command_line.md);
+    a change of the batches per optimizer step is named once, with the factor that keeps
+    it. The same factor resumes silently, and testing the best checkpoint (which loads the
+    Brain's state again) says nothing."""
+    train_shuffled(tmp_path / "run", epochs=1, grad_accumulation_factor=2)
+    with caplog.at_level(logging.INFO):
+        train_shuffled(tmp_path / "same", epochs=1, grad_accumulation_factor=2)
+        train_shuffled(tmp_path / "same", epochs=2, grad_accumulation_factor=2)
+    assert layout_warnings(caplog) == []
+    with caplog.at_level(logging.INFO):
+        brain = train_shuffled(tmp_path / "run", epochs=2, grad_accumulation_factor=1)
+        assert "Resumed from" in caplog.text
+        [warning] = layout_warnings(caplog)
+        assert "1 process(es) x trainer.grad_accumulation_factor=2 = 2 batches" in warning
+        assert "this session trains 1 x 1 = 1" in warning
+        assert "trainer.grad_accumulation_factor=2." in warning
+        caplog.clear()
+        brain.checkpointer.recover_if_possible()  # as the test stage loads the best one
+    assert layout_warnings(caplog) == []
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "rank", "expected"),
+    [
+        (2, 1, 0, "trainer.grad_accumulation_factor=2."),  # DDP -> one process
+        (1, 2, 0, "No factor keeps it with 2 process(es)."),  # one process -> DDP
+        (1, 2, 1, None),  # only rank 0 reports
+        (2, 2, 0, None),  # nothing changed
+    ],
+)
+def test_a_resume_under_another_number_of_processes_says_the_effective_batch_changed(
+    caplog, saved, now, rank, expected
+):
+    """DDP <-> one process (docs/scaling.md): each optimizer step then averages another
+    number of batches. The resumed session used to say nothing of it."""
+    brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    state = brain.state_dict()  # end of an epoch: any world size may resume it
+    state["world_size"] = saved
+    brain.distributed = DistributedInfo(world_size=now, rank=rank, backend="gloo")
+    with caplog.at_level(logging.INFO):
+        brain.load_state_dict(state)
+        brain._report_batch_layout_change()
+    warnings = layout_warnings(caplog)
+    if expected is None:
+        assert warnings == []
+    else:
+        [warning] = warnings
+        assert f"trained with {saved} process(es)" in warning and expected in warning
+
+
+def test_a_checkpoint_without_its_factor_still_resumes_and_names_the_process_change(caplog):
+    """Checkpoints saved before the factor was recorded load as before; a change of the
+    number of processes is still named."""
+    brain = RegressionBrain({"model": make_model()}, sgd(), run_opts=run_opts())
+    state = brain.state_dict()
+    del state["grad_accumulation_factor"]
+    state["world_size"] = 2
+    with caplog.at_level(logging.WARNING):
+        brain.load_state_dict(state)
+        brain._report_batch_layout_change()
+    assert "saved by 2 process(es) with 1 process(es)" in caplog.text
