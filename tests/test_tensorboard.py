@@ -217,51 +217,53 @@ def test_the_ranks_stop_flag_is_read_with_the_batch_and_leaves_the_loss_scale_al
     assert scales == [1024.0, 2048.0]
 
 
+def _regression_session(tmp_path: Path, kill_before: int | None = None, **opts) -> None:
+    """One session of a small regression Brain that checkpoints into ``tmp_path/ckpt`` and
+    logs each step to ``tmp_path/tb``; ``kill_before``: dies (``StopAfter``) before that
+    step, as a killed process would."""
+    from torch.utils.data import DataLoader
+
+    from amp_utils import Checkpointer, EpochCounter
+    from tests.test_brain import RegressionBrain, dying_before, make_data, make_model, run_opts, sgd
+
+    brain = dying_before(RegressionBrain, kill_before)(
+        {"model": make_model()},
+        sgd(),
+        run_opts=run_opts(log_interval_steps=1, **opts),
+        checkpointer=Checkpointer(tmp_path / "ckpt"),
+        tensorboard=TensorBoardLogger(tmp_path / "tb"),
+    )
+    try:
+        brain.fit(EpochCounter(1), DataLoader(make_data(32), batch_size=4))
+    finally:
+        brain.tensorboard.close()
+
+
+def _fresh_writer_counter(monkeypatch) -> None:
+    """Both sessions run in this process, likely within one second: their event files then
+    sort by TensorBoard's process-wide writer counter, and a reader that loads the resumed
+    session's file first (counter 10 before 9) sees its steps before the killed session's.
+    A fresh counter keeps the files in the order they were written, as two processes'
+    files (another second, another pid) are in a real resume."""
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
+
+
 def test_a_resumed_run_has_one_point_per_step(tmp_path: Path, monkeypatch):
     """Killed some steps after its last checkpoint, then resumed: the killed session's
     steps after the checkpoint are superseded (one point per step, the resumed ones), where
     every scalar after the checkpoint used to have two (kill -9 and resume)."""
-    from torch.utils.data import DataLoader
-
-    from amp_utils import Checkpointer, EpochCounter
+    from amp_utils import Checkpointer
     from amp_utils.checkpoint import STATE_FILE, read_state
-    from tests.test_brain import (
-        RegressionBrain,
-        StopAfter,
-        dying_before,
-        make_data,
-        make_model,
-        run_opts,
-        sgd,
-    )
+    from tests.test_brain import StopAfter
 
-    # Both sessions run in this process, likely within one second: their event files then
-    # sort by TensorBoard's process-wide writer counter, and a reader that loads the
-    # resumed session's file first (counter 10 before 9) sees its steps before the killed
-    # session's. A fresh counter keeps the files in the order they were written, as two
-    # processes' files (another second, another pid) are in a real resume.
-    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
-
-    def run(kill_before: int | None = None) -> None:
-        brain = dying_before(RegressionBrain, kill_before)(
-            {"model": make_model()},
-            sgd(),
-            run_opts=run_opts(log_interval_steps=1, ckpt_interval_steps=4),
-            checkpointer=Checkpointer(tmp_path / "ckpt"),
-            tensorboard=TensorBoardLogger(tmp_path / "tb"),
-        )
-        try:
-            brain.fit(EpochCounter(1), DataLoader(make_data(32), batch_size=4))
-        finally:
-            brain.tensorboard.close()
-
+    _fresh_writer_counter(monkeypatch)
     with contextlib.suppress(StopAfter):
-        run(kill_before=8)
+        _regression_session(tmp_path, kill_before=8, ckpt_interval_steps=4)
     newest = Checkpointer(tmp_path / "ckpt").list_checkpoints()[-1]
     saved = read_state(newest.path / STATE_FILE)["state"]["brain"]["optimizer_step"]
     killed_logged = [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
     assert max(killed_logged) > saved  # steps after the checkpoint, logged and then lost
-    run()
+    _regression_session(tmp_path, ckpt_interval_steps=4)
     steps = [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
     assert steps == list(range(1, 9))
 
@@ -273,38 +275,14 @@ def test_a_run_killed_before_its_first_checkpoint_has_one_point_per_step(
     killed in its first minutes), the run starts again from step 1 and logs those steps
     again; the killed session's points stayed beside them, two per step (found by the
     2026-11-28 records audit with a real run: train/loss at steps 1, 2, 3, 1, 2, ...)."""
-    from torch.utils.data import DataLoader
+    from amp_utils import Checkpointer
+    from tests.test_brain import StopAfter
 
-    from amp_utils import Checkpointer, EpochCounter
-    from tests.test_brain import (
-        RegressionBrain,
-        StopAfter,
-        dying_before,
-        make_data,
-        make_model,
-        run_opts,
-        sgd,
-    )
-
-    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
-
-    def run(kill_before: int | None = None) -> None:
-        brain = dying_before(RegressionBrain, kill_before)(
-            {"model": make_model()},
-            sgd(),
-            run_opts=run_opts(log_interval_steps=1),
-            checkpointer=Checkpointer(tmp_path / "ckpt"),
-            tensorboard=TensorBoardLogger(tmp_path / "tb"),
-        )
-        try:
-            brain.fit(EpochCounter(1), DataLoader(make_data(32), batch_size=4))
-        finally:
-            brain.tensorboard.close()
-
+    _fresh_writer_counter(monkeypatch)
     with contextlib.suppress(StopAfter):
-        run(kill_before=6)
+        _regression_session(tmp_path, kill_before=6)
     assert not Checkpointer(tmp_path / "ckpt").list_checkpoints()
     assert [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
-    run()
+    _regression_session(tmp_path)
     steps = [event.step for event in _load(tmp_path / "tb").Scalars("train/loss")]
     assert steps == list(range(1, 9))
