@@ -329,18 +329,27 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
         excludes = override_dirname_excludes(HydraConfig.get())
         check_run_overrides(Path(cfg.output_dir), overrides, excludes)
-    finished = finished_results(Path(cfg.output_dir), cfg.trainer)
+    finished = _finished_run(Path(cfg.output_dir), cfg.trainer)
     if finished is not None:
-        # To the console only: in a sweep the job's log file is open, and a finished run's
-        # files stay byte-identical.
-        print(finished_message(Path(cfg.output_dir), finished, cfg.trainer), flush=True)
-        return finished.to_dict()
+        return finished
     folder = RunFolder(Path(cfg.output_dir))
     try:
         return _train(cfg, folder, start)
     finally:
         folder.release()
         folder.abandon()  # refused before it trained: no trace in the folder (else no-op)
+
+
+def _finished_run(out_dir: Path, trainer: DictConfig) -> dict[str, Any] | None:
+    """The results of the run in ``out_dir`` if it has finished (saying so), else None.
+
+    To the console only: in a sweep the job's log file is open, and a finished run's files
+    stay byte-identical."""
+    finished = finished_results(out_dir, trainer)
+    if finished is None:
+        return None
+    print(finished_message(out_dir, finished, trainer), flush=True)
+    return finished.to_dict()
 
 
 def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
@@ -350,10 +359,9 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
     check_same_run_folder(Path(cfg.output_dir))
     out_dir = run_on_main(ensure_writable, args=(Path(cfg.output_dir),))
     run_on_main(folder.lock)  # one process (rank 0 for DDP) trains in a folder at a time
-    finished = finished_results(out_dir, cfg.trainer)
-    if finished is not None:  # finished by the process that held the folder until now
-        print(finished_message(out_dir, finished, cfg.trainer), flush=True)
-        return finished.to_dict()
+    finished = _finished_run(out_dir, cfg.trainer)  # by the process that held the folder
+    if finished is not None:
+        return finished
     seed_everything(cfg.seed)
     data = build_data(cfg, device, dist_info)
     main = dist_info.is_main
