@@ -292,15 +292,7 @@ class RunFolderCallback(Callback):
             )
         except ConfigError:
             return  # train() refuses the job and says why in train.log
-        hydra_cfg = copy.deepcopy(OmegaConf.create({"hydra": config.hydra}))
-        with read_write(hydra_cfg.hydra), open_dict(hydra_cfg.hydra):
-            hydra_cfg.hydra.output_subdir = subdir  # as Hydra would have written it
-            hydra_cfg.hydra.overrides.hydra = [
-                o for o in hydra_cfg.hydra.overrides.hydra if str(o) != _NO_OUTPUT_SUBDIR
-            ]
-        write_hydra_files(
-            run_dir / subdir, _task_config(config), hydra_cfg, config.hydra.overrides.task
-        )
+        write_hydra_files(run_dir, subdir, _task_config(config), config.hydra)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""
@@ -387,18 +379,24 @@ def _sweep_job_output_subdir(config: DictConfig) -> str | None:
     return os.environ.get(SWEEP_OUTPUT_SUBDIR_ENV, ".hydra")  # a launcher without its env
 
 
-def write_hydra_files(
-    hydra_dir: Path, task_cfg: DictConfig, hydra_cfg: DictConfig, overrides: Any
-) -> None:
-    """Hydra's ``config.yaml``, ``hydra.yaml`` and ``overrides.yaml``, as Hydra writes them,
-    but each atomically: a resumed session replaces the earlier one's whole or not at all
-    (a full disk or a kill in Hydra's in-place write left a truncated file)."""
+def write_hydra_files(run_dir: Path, subdir: str, task_cfg: DictConfig, hydra: DictConfig) -> None:
+    """Hydra's ``config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` in ``run_dir/subdir``,
+    as Hydra writes them (``hydra.yaml`` naming ``subdir``, without the override by which a
+    sweep's jobs write them themselves), but each atomically: a resumed session replaces the
+    earlier one's whole or not at all (a full disk or a kill in Hydra's in-place write left
+    a truncated file)."""
+    hydra_cfg = copy.deepcopy(OmegaConf.create({"hydra": hydra}))  # {"hydra": ...}, as saved
+    with read_write(hydra_cfg.hydra), open_dict(hydra_cfg.hydra):
+        hydra_cfg.hydra.output_subdir = subdir
+        hydra_cfg.hydra.overrides.hydra = [
+            o for o in hydra_cfg.hydra.overrides.hydra if str(o) != _NO_OUTPUT_SUBDIR
+        ]
     for name, node in (
         ("config.yaml", task_cfg),
         ("hydra.yaml", hydra_cfg),
-        ("overrides.yaml", overrides),
+        ("overrides.yaml", hydra_cfg.hydra.overrides.task),
     ):
-        atomic_write_text(hydra_dir / name, OmegaConf.to_yaml(node))
+        atomic_write_text(run_dir / subdir / name, OmegaConf.to_yaml(node))
 
 
 def holds_training_run(run_dir: Path) -> bool:
@@ -555,12 +553,8 @@ class RunFolder:
     def _write_hydra_files(self, cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        hydra_cfg = copy.deepcopy(HydraConfig.instance().cfg)  # {"hydra": ...}, as Hydra saves
-        with read_write(hydra_cfg.hydra), open_dict(hydra_cfg.hydra):
-            hydra_cfg.hydra.output_subdir = self._taken.output_subdir
-        write_hydra_files(
-            self.path / self._taken.output_subdir, cfg, hydra_cfg, hydra_cfg.hydra.overrides.task
-        )
+        hydra = HydraConfig.instance().cfg.hydra
+        write_hydra_files(self.path, self._taken.output_subdir, cfg, hydra)
 
     def abandon(self) -> None:
         """The run was refused before ``accept``: drop its log lines and the folders it made.
