@@ -273,12 +273,8 @@ def contain_fp16_overflows(modules: list[ModuleVerdict]) -> None:
     for m in modules:
         if m.verdict != PREFER_BF16 or not m.overflow_share["fp16"] > OVERFLOW_SHARE_LIMIT:
             continue
-        parts = m.name.split(".")
-        containers = [".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)]
-        fitting = next(
-            (name for name in containers if name in by_name and by_name[name].max_abs < limit),
-            None,
-        )
+        containers = sorted((n for n in by_name if holds(n, m.name)), key=len, reverse=True)
+        fitting = next((n for n in containers if by_name[n].max_abs < limit), None)
         if fitting is not None:
             m.fix = (
                 f"precision=bf16  (or keep fp16 elsewhere: {fp32_modules_line([fitting])}, the "

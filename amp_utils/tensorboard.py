@@ -50,8 +50,8 @@ class TensorBoardLogger:
         first checkpoint logged some: those points are superseded (``resume_at(0)``), else
         each of those steps had two. A folder without events is left as it is. Call it
         before the first write."""
-        if self._writer is None and any(self.log_dir.glob("events.out.tfevents.*")):
-            self._purge_step = 0
+        if any(self.log_dir.glob("events.out.tfevents.*")):
+            self.resume_at(0)
 
     @property
     def writer(self) -> SummaryWriter:
