@@ -17,6 +17,9 @@ from typing import Any
 from amp_utils.atomic import atomic_write_json
 
 RESULTS_FILE = "results.json"
+#: The folder of a run where its record of fewer epochs is kept when the finished run is
+#: trained further (``earlier/finished_<N>_epochs/results.json``): not a run of its own.
+EARLIER_RECORDS_DIR = "earlier"
 PERCENT_METRICS = frozenset({"CER", "WER", "accuracy"})  # metrics recorded in percent
 SPEED_TAG = "speed/train_utterances_per_s"  # TensorBoard tag of a run's training speed
 

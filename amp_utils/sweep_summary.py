@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_path, atomic_write_text
 from amp_utils.distributed import launch_rank
-from amp_utils.run_results import RESULTS_FILE, RunResults, metric_label
+from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults, metric_label
 from amp_utils.sweep_keys import MULTIRUN_FILE, precision_first, swept_keys
 from amp_utils.tensorboard import TENSORBOARD_DIR, write_sweep_experiment
 
@@ -83,6 +83,12 @@ def _read_overrides(job_dir: Path) -> list[str]:
         log.warning("Cannot read %s: %s", overrides_file, err)
         return []
     return [str(item) for item in overrides] if isinstance(overrides, list) else []
+
+
+def _earlier_record(path: Path, sweep_dir: Path) -> bool:
+    """Whether ``path`` is in a job's copy of its record of fewer epochs (a finished job
+    trained further keeps it in ``earlier/``): not a job, nor the job's results."""
+    return EARLIER_RECORDS_DIR in path.relative_to(sweep_dir).parts
 
 
 def _job_dir_of(results_file: Path, job_dirs: set[Path]) -> Path:
@@ -171,13 +177,15 @@ def _collect_runs(sweep_dir: Path, multirun: str | None = None) -> list[dict[str
     job_dirs = {
         overrides_file.parent.parent
         for overrides_file in sweep_dir.rglob("overrides.yaml")
-        if overrides_file.parent.name == ".hydra"
+        if overrides_file.parent.name == ".hydra" and not _earlier_record(overrides_file, sweep_dir)
     }
     statuses = {job_dir: _job_status(job_dir) for job_dir in job_dirs}
     if multirun is not None:
         job_dirs = {d for d in job_dirs if statuses[d].get("multirun") == multirun}
     results_by_job: dict[Path, RunResults | None] = dict.fromkeys(job_dirs)
     for results_file in sweep_dir.rglob(RESULTS_FILE):
+        if _earlier_record(results_file, sweep_dir):
+            continue
         job_dir = _job_dir_of(results_file, job_dirs)
         if job_dir not in results_by_job:  # a job of another multirun
             continue

@@ -28,7 +28,9 @@ import json
 import logging
 import logging.handlers
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +47,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from amp_utils.atomic import atomic_write_text
 from amp_utils.distributed import launch_rank, lost_a_peer, lost_a_peer_message
 from amp_utils.interruption import RESUME_HINT, TrainingInterrupted
-from amp_utils.run_results import RESULTS_FILE, RunResults
+from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults
 from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_ENV, MULTIRUN_ID_FILE
 from recipes.config import ConfigError
+from recipes.error_report import TEST_ERRORS_FILE
 from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
 
 logger = logging.getLogger(__name__)
@@ -399,6 +402,75 @@ def write_hydra_files(run_dir: Path, subdir: str, task_cfg: DictConfig, hydra: D
         atomic_write_text(run_dir / subdir / name, OmegaConf.to_yaml(node))
 
 
+#: The files of a run folder that a session rewrites, besides its checkpoints and its
+#: appended logs: a finished run's record (``keep_finished_record``).
+RECORD_FILES = (
+    RESULTS_FILE,
+    TEST_ERRORS_FILE,
+    RESOLVED_CONFIG_FILE,
+    RUN_OVERRIDES_FILE,
+    LABELS_FILE,
+    "env.txt",
+)
+
+
+def keep_finished_record(run_dir: Path, hydra_subdir: str | None) -> Path | None:
+    """Copy the record of a finished run in ``run_dir`` to ``earlier/finished_<N>_epochs/``
+    before a session that trains it further rewrites it; returns the copy's folder.
+
+    A finished run trained further (``trainer.epochs`` raised) wrote its new
+    ``results.json``, ``test_errors.md``, configs and ``.hydra/`` over the earlier ones: the
+    figures of the first N epochs were lost. Called again (the longer session interrupted and
+    resumed, its record still the N epochs'), it finds the same copy and adds none. None
+    when the folder holds no ``results.json`` (not finished before).
+    """
+    try:
+        completed = RunResults.read(run_dir / RESULTS_FILE).completed_epochs
+    except (OSError, ValueError):
+        return None
+    files = [name for name in RECORD_FILES if (run_dir / name).is_file()]
+    if hydra_subdir and (run_dir / hydra_subdir).is_dir():
+        files += [
+            f"{hydra_subdir}/{p.name}" for p in sorted((run_dir / hydra_subdir).glob("*.yaml"))
+        ]
+    record = {name: (run_dir / name).read_bytes() for name in files}
+    base = run_dir / EARLIER_RECORDS_DIR / f"finished_{completed}_epochs"
+    copy_dir, number = base, 1
+    while copy_dir.exists():
+        held = {
+            str(p.relative_to(copy_dir)): p.read_bytes() for p in copy_dir.rglob("*") if p.is_file()
+        }
+        if held == record:  # kept by an earlier, interrupted session
+            return copy_dir
+        number += 1
+        copy_dir = base.with_name(f"{base.name}_{number}")
+    # Written whole into a hidden folder, then renamed: a kill mid-copy leaves no partial
+    # copy for the next session to mistake for another record.
+    copy_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{copy_dir.name}.", dir=copy_dir.parent))
+    try:
+        for name, data in record.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_bytes(data)
+        os.rename(staging, copy_dir)
+    except OSError as err:
+        raise ConfigError(
+            f"Cannot keep the record of this run's first {completed} epoch(s) in {copy_dir} "
+            f"before training it further ({err}); nothing was changed. Fix: make room in or "
+            "give write access to the run folder, then run the command again."
+        ) from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info(
+        "This run finished %s epoch%s before; it trains further now, and the record of those "
+        "(results.json, test_errors.md, configs) is kept in %s",
+        completed,
+        "" if completed == 1 else "s",
+        copy_dir,
+    )
+    return copy_dir
+
+
 def holds_training_run(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a run of ``recipes/train.py`` (accepted, or with checkpoints
     or results)."""
@@ -528,6 +600,8 @@ class RunFolder:
         self.accepted = True
         if write_files:
             self.path.mkdir(parents=True, exist_ok=True)
+            hydra_subdir = self._taken.output_subdir if self._taken is not None else None
+            keep_finished_record(self.path, hydra_subdir or ".hydra")
             # atomic: a resumed session replaces the earlier one's record whole or not at all
             atomic_write_text(
                 self.path / RESOLVED_CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True)

@@ -531,6 +531,77 @@ def test_rerun_resumes_and_extends(tmp_path, fsdd_root, prepared_digits):
     assert again["optimizer_steps"] == 4  # one more epoch, not two
 
 
+def test_a_finished_run_trained_further_keeps_its_earlier_record(
+    tmp_path, fsdd_root, prepared_digits
+):
+    """Raising the epochs of a finished run wrote the longer run's results.json,
+    test_errors.md and config over the earlier ones: the first epochs' figures were lost."""
+    run = tmp_path / "run"
+    first = train(
+        fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.debug_epochs=1", "trainer.epochs=1")
+    )
+    names = ["results.json", "test_errors.md", "config_resolved.yaml", "labels.json", "env.txt"]
+    before = {name: (run / name).read_bytes() for name in names}
+    again = train(
+        fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.debug_epochs=2", "trainer.epochs=2")
+    )
+    assert again["epochs_completed"] == 2 and first["epochs_completed"] == 1
+    kept = run / "earlier" / "finished_1_epochs"
+    assert {name: (kept / name).read_bytes() for name in names} == before
+    assert RunResults.read(run / "results.json").completed_epochs == 2
+    assert [p.name for p in (run / "earlier").iterdir()] == ["finished_1_epochs"]
+    # A finished run run again changes nothing, its earlier record included.
+    record = snapshot(run)
+    train(
+        fast_cfg(tmp_path, fsdd_root, prepared_digits, "trainer.debug_epochs=2", "trainer.epochs=2")
+    )
+    assert snapshot(run) == record
+
+
+def test_an_interrupted_longer_session_keeps_one_copy_of_the_earlier_record(tmp_path):
+    """The session that trains a finished run further, killed and resumed, finds its copy
+    (same bytes: no second one); another record of as many epochs gets a folder of its own,
+    and a copy killed half-way leaves no folder the next session could mistake for one."""
+    from recipes.run_folder import keep_finished_record
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    RunResults(epochs_completed=3, test_metrics={"CER": 1.0}).write(run / "results.json")
+    (run / ".hydra" / "config.yaml").write_text("a: 1\n")
+    (run / "config_resolved.yaml").write_text("a: 1\n")
+    kept = keep_finished_record(run, ".hydra")
+    assert kept == run / "earlier" / "finished_3_epochs"
+    assert (kept / ".hydra" / "config.yaml").read_text() == "a: 1\n"
+    assert (kept / "results.json").read_bytes() == (run / "results.json").read_bytes()
+    assert keep_finished_record(run, ".hydra") == kept
+    (run / "config_resolved.yaml").write_text("a: 2\n")
+    assert keep_finished_record(run, ".hydra") == run / "earlier" / "finished_3_epochs_2"
+    assert (kept / "config_resolved.yaml").read_text() == "a: 1\n"
+    assert sorted(p.name for p in (run / "earlier").iterdir()) == [
+        "finished_3_epochs",
+        "finished_3_epochs_2",
+    ]
+    assert keep_finished_record(tmp_path / "never_finished", ".hydra") is None
+
+
+def test_a_copy_of_the_earlier_record_that_fails_leaves_nothing(tmp_path, monkeypatch):
+    from recipes import run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    RunResults(epochs_completed=1).write(run / "results.json")
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_folder.os, "rename", full_disk)
+    with pytest.raises(
+        ConfigError, match=r"Cannot keep the record of this run's first 1 epoch\(s\)"
+    ):
+        run_folder.keep_finished_record(run, ".hydra")
+    assert list((run / "earlier").iterdir()) == []
+
+
 def test_results_describe_the_whole_run_over_sessions(
     tmp_path, fsdd_root, prepared_digits, monkeypatch
 ):

@@ -378,6 +378,21 @@ def test_a_sweep_run_again_lists_its_own_jobs_as_they_went_this_time(tmp_path: P
     assert every == {"0": "ok", "1": "ok", "2": "ok", "9_old": "failed"}
 
 
+def test_a_job_trained_further_is_one_row_with_its_latest_results(tmp_path: Path) -> None:
+    """A finished job trained further keeps its earlier record (``.hydra/`` and
+    ``results.json`` of fewer epochs) in ``earlier/finished_<N>_epochs/``: it is neither a
+    job of its own nor the job's results."""
+    for index, precision in enumerate(("fp32", "bf16")):
+        overrides = [f"precision={precision}"]
+        _write_job(tmp_path, str(index), overrides, _results(precision, overrides, CER=1.0))
+        earlier = Path(str(index), "earlier", "finished_5_epochs")
+        _write_job(tmp_path, str(earlier), overrides, _results(precision, overrides, CER=9.0))
+        _write_status(tmp_path, str(index), "this", "finished")
+    for multirun in ("this", None):
+        rows = summarize_sweep(tmp_path, multirun)
+        assert [(row["run"], row["test CER %"]) for row in rows] == [("0", "1.00"), ("1", "1.00")]
+
+
 def test_the_callback_summarizes_the_jobs_of_its_own_multirun(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
