@@ -295,7 +295,10 @@ class RunFolderCallback(Callback):
             )
         except ConfigError:
             return  # train() refuses the job and says why in train.log
-        write_hydra_files(run_dir, subdir, _task_config(config), config.hydra)
+        task_cfg = _task_config(config)
+        if finished_results(run_dir, task_cfg.trainer) is None:  # to be trained (further)
+            keep_finished_record(run_dir, subdir)  # before .hydra/ becomes the longer run's
+        write_hydra_files(run_dir, subdir, task_cfg, config.hydra)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""
@@ -420,9 +423,11 @@ def keep_finished_record(run_dir: Path, hydra_subdir: str | None) -> Path | None
 
     A finished run trained further (``trainer.epochs`` raised) wrote its new
     ``results.json``, ``test_errors.md``, configs and ``.hydra/`` over the earlier ones: the
-    figures of the first N epochs were lost. Called again (the longer session interrupted and
-    resumed, its record still the N epochs'), it finds the same copy and adds none. None
-    when the folder holds no ``results.json`` (not finished before).
+    figures of the first N epochs were lost. A record is known by its ``results.json``:
+    called again while that is unchanged (a sweep job's ``.hydra/`` is written before its
+    run is accepted; the longer session interrupted and resumed, its configs already the
+    longer run's), it finds the copy made first and adds none. None when the folder holds
+    no ``results.json`` (not finished before).
     """
     try:
         completed = RunResults.read(run_dir / RESULTS_FILE).completed_epochs
@@ -437,11 +442,9 @@ def keep_finished_record(run_dir: Path, hydra_subdir: str | None) -> Path | None
     base = run_dir / EARLIER_RECORDS_DIR / f"finished_{completed}_epochs"
     copy_dir, number = base, 1
     while copy_dir.exists():
-        held = {
-            str(p.relative_to(copy_dir)): p.read_bytes() for p in copy_dir.rglob("*") if p.is_file()
-        }
-        if held == record:  # kept by an earlier, interrupted session
-            return copy_dir
+        with contextlib.suppress(OSError):
+            if (copy_dir / RESULTS_FILE).read_bytes() == record[RESULTS_FILE]:
+                return copy_dir  # kept already, before the configs were rewritten
         number += 1
         copy_dir = base.with_name(f"{base.name}_{number}")
     # Written whole into a hidden folder, then renamed: a kill mid-copy leaves no partial

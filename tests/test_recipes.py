@@ -559,9 +559,10 @@ def test_a_finished_run_trained_further_keeps_its_earlier_record(
 
 
 def test_an_interrupted_longer_session_keeps_one_copy_of_the_earlier_record(tmp_path):
-    """The session that trains a finished run further, killed and resumed, finds its copy
-    (same bytes: no second one); another record of as many epochs gets a folder of its own,
-    and a copy killed half-way leaves no folder the next session could mistake for one."""
+    """The session that trains a finished run further, killed after it wrote its configs and
+    resumed, finds the copy made first (the record is known by its results.json): no second
+    one holding the longer run's configs. Another record of as many epochs gets a folder of
+    its own."""
     from recipes.run_folder import keep_finished_record
 
     run = tmp_path / "run"
@@ -574,9 +575,16 @@ def test_an_interrupted_longer_session_keeps_one_copy_of_the_earlier_record(tmp_
     assert (kept / ".hydra" / "config.yaml").read_text() == "a: 1\n"
     assert (kept / "results.json").read_bytes() == (run / "results.json").read_bytes()
     assert keep_finished_record(run, ".hydra") == kept
+    # The longer session accepted (its configs written), then killed: the same record.
     (run / "config_resolved.yaml").write_text("a: 2\n")
-    assert keep_finished_record(run, ".hydra") == run / "earlier" / "finished_3_epochs_2"
+    (run / ".hydra" / "config.yaml").write_text("a: 2\n")
+    assert keep_finished_record(run, ".hydra") == kept
     assert (kept / "config_resolved.yaml").read_text() == "a: 1\n"
+    assert (kept / ".hydra" / "config.yaml").read_text() == "a: 1\n"
+    # Another record of as many epochs (a debug run's, its results rewritten): its own copy.
+    RunResults(epochs_completed=3, test_metrics={"CER": 2.0}).write(run / "results.json")
+    assert keep_finished_record(run, ".hydra") == run / "earlier" / "finished_3_epochs_2"
+    assert (kept / "results.json").read_bytes() != (run / "results.json").read_bytes()
     assert sorted(p.name for p in (run / "earlier").iterdir()) == [
         "finished_3_epochs",
         "finished_3_epochs_2",

@@ -285,6 +285,32 @@ def test_a_sweep_job_refused_for_other_overrides_leaves_the_finished_runs_config
     assert not changed, changed
 
 
+def test_a_sweep_job_trained_further_keeps_its_earlier_record(
+    tmp_path: Path, fsdd_root: Path
+) -> None:
+    """A sweep run again with more epochs trains its finished jobs further. A sweep job's
+    ``.hydra/`` files are written when the job starts, before the run is accepted: the copy
+    of the earlier record must be made before that, or it holds the longer run's config."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", *TINY, "precision=choice(fp32)", f"data.prepared_dir={tmp_path / 'prepared'}"]
+    args += [f"hydra.sweep.dir={sweep_dir}"]
+    first = run_train(fsdd_root, [*args, "trainer.debug_epochs=1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    job = sweep_dir / "0_precision=fp32"
+    kept = [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"]
+    kept += ["config_resolved.yaml", "run_overrides.yaml", "results.json", "test_errors.md"]
+    before = {name: (job / name).read_bytes() for name in kept}
+
+    longer = run_train(fsdd_root, [*args, "trainer.debug_epochs=2"])
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    copy = job / "earlier" / "finished_1_epochs"
+    assert {name: (copy / name).read_bytes() for name in kept} == before
+    assert "trainer.debug_epochs=2" in (job / ".hydra" / "overrides.yaml").read_text()
+    assert [p.name for p in (job / "earlier").iterdir()] == ["finished_1_epochs"]
+    summary = (sweep_dir / "summary.csv").read_text().splitlines()
+    assert len(summary) == 2, summary  # the header and the job, not its earlier record
+
+
 def test_a_diagnosis_pointed_at_a_training_run_folder_is_refused_and_changes_nothing(
     tmp_path: Path, fsdd_root: Path
 ) -> None:
