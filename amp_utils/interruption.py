@@ -91,17 +91,18 @@ class StopSignals:
         for sig, handler in self._previous.items():
             if handler is not None:  # None: installed outside Python, cannot be restored
                 signal.signal(sig, handler)
-        # A signal caught after the loop's last look (in the last validation's end, the
-        # last checkpoint's write) ended nothing: the run would go on to test as if none
-        # had come. Under a RunSignals it stops the run now (the checkpoints are on disk).
+        # Under a RunSignals, the signal is the run's: a repeat of it (torchrun's forwarded
+        # copy) arriving after fit is not a new one. Caught after the loop's last look (in
+        # the last validation's end, the last checkpoint's write), it ended nothing: the
+        # run would go on to test as if none had come; it stops the run now instead (the
+        # checkpoints are on disk).
         outer = active_run_signals()
         if (
-            exc_type is None
-            and self.received is not None
+            self.received is not None
             and outer is not None
             and signal.getsignal(self.received) == outer.handle
         ):
-            outer.handle(self.received, None)
+            outer.caught_in_fit(self.received, self._received_at, stopped=exc_type is not None)
 
 
 class MidEpochDecision(NamedTuple):
@@ -306,6 +307,17 @@ class RunSignals:
             return
         self._raised = True
         raise self.error(signum)
+
+    def caught_in_fit(self, signum: int, at: float, stopped: bool) -> None:
+        """``signum``, caught by :class:`StopSignals` at ``at`` (``time.monotonic``), is
+        this context's first signal. ``stopped``: fit stopped on it (its exit is on its
+        way); otherwise the run stops now, raising :class:`RunInterrupted`."""
+        if self.received is not None:
+            return
+        if stopped:
+            self.received, self._received_at, self._raised = signum, at, True
+            return
+        self.handle(signum, None)
 
     def error(self, signum: int | None) -> RunInterrupted:
         """The exit for ``signum`` now: the innermost phase and its (or the nearest) hint."""
