@@ -38,12 +38,13 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
         mode = _NEW_FILE_MODE
-    fd, tmp_name = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
-    )
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    tmp: Path | None = None
+    try:  # from the temporary file's creation: a signal's exception leaves none behind
+        fd, tmp_name = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent
+        )
+        tmp = Path(tmp_name)
+        os.close(fd)
         yield tmp
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
@@ -54,7 +55,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             raise OSError(f"Atomic write to {path} failed: {err}") from err
         fsync_directory(path.parent)
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:

@@ -74,6 +74,7 @@ from amp_utils.interruption import (
     StopSignals,
     TrainingInterrupted,
     interrupted_error,
+    run_phase,
 )
 from amp_utils.loaders import (
     EpochBatches,
@@ -462,7 +463,8 @@ class Brain(GraphedSteps):
             # sets self.optimizer only; SpeechBrain steps that optimizer, and so does this.
             self.optimizers_dict = {"optimizer": self.optimizer}
         if self.checkpointer is not None:
-            ckpt = self.checkpointer.recover_if_possible(map_location=self.device)
+            with run_phase("loading the checkpoint to resume from"):  # a signal's message
+                ckpt = self.checkpointer.recover_if_possible(map_location=self.device)
             if ckpt is not None:
                 self._after_resume(ckpt)
             else:  # from step 1: what a session killed before any checkpoint logged goes

@@ -7,14 +7,22 @@ signals, :class:`MidEpochCheckpointPolicy` asks for a checkpoint every N optimiz
 every N minutes. Under DDP the ranks decide together, so that all of them save (and stop)
 after the same batch: a signal through the Brain's loss all-reduce (``agreed_stop``), the
 clock at joint decision points.
+
+Outside the epochs (data preparation, the checkpoint load, the test, the writing of the
+results, a sweep's summary, ``recipes/evaluate.py``) there is no batch to finish:
+:class:`RunSignals`, entered once around the whole run, stops it at once with
+:class:`RunInterrupted` and a one-line message of what was interrupted (the run's current
+:func:`run_phase`). :class:`StopSignals` takes over from it inside ``Brain.fit``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, NamedTuple
 
@@ -79,10 +87,22 @@ class StopSignals:
             self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         logger.warning("Received signal %d: checkpointing after this batch.", signum)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         for sig, handler in self._previous.items():
             if handler is not None:  # None: installed outside Python, cannot be restored
                 signal.signal(sig, handler)
+        # Under a RunSignals, the signal is the run's: a repeat of it (torchrun's forwarded
+        # copy) arriving after fit is not a new one. Caught after the loop's last look (in
+        # the last validation's end, the last checkpoint's write), it ended nothing: the
+        # run would go on to test as if none had come; it stops the run now instead (the
+        # checkpoints are on disk).
+        outer = active_run_signals()
+        if (
+            self.received is not None
+            and outer is not None
+            and signal.getsignal(self.received) == outer.handle
+        ):
+            outer.caught_in_fit(self.received, self._received_at, stopped=exc_type is not None)
 
 
 class MidEpochDecision(NamedTuple):
@@ -170,9 +190,189 @@ class MidEpochCheckpointPolicy:
 RESUME_HINT = "Run the same command again to resume where it stopped."
 
 
+def signal_name(signum: int | None) -> str:
+    """``SIGTERM``, ``SIGINT``: the name of ``signum`` (None, another rank's: SIGTERM)."""
+    return signal.Signals(signum or signal.SIGTERM).name
+
+
 def interrupted_error(signum: int | None, epoch: Any, batch: int) -> TrainingInterrupted:
     """The exit raised after the signal's checkpoint, with the resume hint."""
-    name = signal.Signals(signum or signal.SIGTERM).name  # None: another rank's signal
     return TrainingInterrupted(
-        f"Received {name}: saved a checkpoint at epoch {epoch}, batch {batch}. {RESUME_HINT}"
+        f"Received {signal_name(signum)}: saved a checkpoint at epoch {epoch}, batch {batch}. "
+        f"{RESUME_HINT}"
     )
+
+
+class RunInterrupted(TrainingInterrupted):
+    """SIGTERM/SIGINT outside the training epochs: the run stopped at once.
+
+    Nothing recorded is lost: outside the epochs a run writes nothing that is not whole
+    (each file is written atomically, the final records together), and what it was doing
+    (reading data, loading a checkpoint, testing) is done again by the same command.
+    A ``SystemExit``, like :class:`TrainingInterrupted`: exit status 1, its message on
+    stderr, SIGINT included (no ``KeyboardInterrupt`` traceback).
+    """
+
+
+def stopped_error(signum: int | None, phase: str, hint: str = RESUME_HINT) -> RunInterrupted:
+    """The exit raised by a signal outside the epochs: the signal, what the run was doing
+    (``phase``), that nothing recorded was lost, and how to go on (``hint``, by default
+    :data:`RESUME_HINT`, which a ``-m`` sweep replaces as it does after a checkpoint)."""
+    return RunInterrupted(
+        f"Received {signal_name(signum)} while {phase}: stopped there; nothing recorded was "
+        f"lost (no file is left half-written). {hint}"
+    )
+
+
+#: The :class:`RunSignals` in force, innermost last (only those whose handlers are set).
+_ACTIVE: list[RunSignals] = []
+
+
+def active_run_signals() -> RunSignals | None:
+    """The :class:`RunSignals` whose handlers are in force now, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class RunSignals:
+    """Context in which SIGTERM/SIGINT stop a run at once with :class:`RunInterrupted`.
+
+    For a whole run, outside the epochs: data preparation, the checkpoint load, the test,
+    the writing of the results, a sweep's summary, an evaluation. Inside ``Brain.fit``,
+    :class:`StopSignals` takes over (its checkpoint after the batch), and a signal it caught
+    too late for the loop to act on is handed back here when it ends. The message names
+    what the run was doing: the innermost :func:`run_phase` (``phase`` otherwise).
+
+    Within :func:`signals_held` (records that must be written together: a run's final
+    TensorBoard figures and ``results.json``), the first signal waits for the end of the
+    block. After the first signal, a SIGTERM repeated within ``REPEAT_WINDOW_S`` counts as
+    the first (torchrun's forwarded copy); any other raises ``KeyboardInterrupt`` at once,
+    as a second signal in ``fit`` does. As during ``fit``, after the first signal SIGCHLD
+    gets its default handling (DataLoader workers ended by a process-group signal are
+    expected, not "killed by signal" errors). Outside the main thread, signals cannot be
+    caught and the context does nothing.
+
+    Args:
+        phase: what the run does when no :func:`run_phase` says more.
+        hint: the last sentence of the message: how to go on; a callable is asked when a
+            signal comes (a sweep's folder is known only once Hydra set it up).
+    """
+
+    REPEAT_WINDOW_S = StopSignals.REPEAT_WINDOW_S
+
+    def __init__(
+        self, phase: str = "starting the run", hint: str | Callable[[], str] = RESUME_HINT
+    ):
+        self._phases: list[tuple[str, str | Callable[[], str] | None]] = [(phase, hint)]
+        self._previous: dict[int, Any] = {}
+        self._held = 0
+        self.received: int | None = None  # the first signal
+        self._received_at = 0.0
+        self._raised = False  # the first signal's exit was raised
+
+    def __enter__(self) -> RunSignals:
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self.handle)
+            _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        for sig, handler in self._previous.items():
+            if handler is not None:  # None: installed outside Python, cannot be restored
+                signal.signal(sig, handler)
+        self._previous = {}
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        """The signal handler: raise :class:`RunInterrupted` now, or at the end of the held
+        block; a second signal raises ``KeyboardInterrupt``."""
+        if self.received is not None:
+            if (
+                signum == signal.SIGTERM == self.received
+                and time.monotonic() - self._received_at < self.REPEAT_WINDOW_S
+            ):
+                return
+            raise KeyboardInterrupt
+        self.received = signum
+        self._received_at = time.monotonic()
+        if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
+            self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if self._held:
+            logger.warning(
+                "Received %s: stopping once the records being written are whole.",
+                signal_name(signum),
+            )
+            return
+        self._raised = True
+        raise self.error(signum)
+
+    def caught_in_fit(self, signum: int, at: float, stopped: bool) -> None:
+        """``signum``, caught by :class:`StopSignals` at ``at`` (``time.monotonic``), is
+        this context's first signal. ``stopped``: fit stopped on it (its exit is on its
+        way); otherwise the run stops now, raising :class:`RunInterrupted`."""
+        if self.received is not None:
+            return
+        if stopped:
+            self.received, self._received_at, self._raised = signum, at, True
+            return
+        self.handle(signum, None)
+
+    def error(self, signum: int | None) -> RunInterrupted:
+        """The exit for ``signum`` now: the innermost phase and its (or the nearest) hint."""
+        phase = self._phases[-1][0]
+        hint = next(h for _, h in reversed(self._phases) if h is not None)
+        return stopped_error(signum, phase, hint() if callable(hint) else hint)
+
+    @contextlib.contextmanager
+    def phase(
+        self, phase: str, hint: str | Callable[[], str] | None = None
+    ) -> Iterator[RunSignals]:
+        """Within the block the run is ``phase`` (and goes on by ``hint``, if given)."""
+        self._phases.append((phase, hint))
+        try:
+            yield self
+        finally:
+            self._phases.pop()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A first signal within the block stops the run at its end, not inside it."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+        if not self._held and self.received is not None and not self._raised:
+            self._raised = True
+            raise self.error(self.received)
+
+
+@contextlib.contextmanager
+def run_phase(
+    phase: str, hint: str | Callable[[], str] | None = None, install: bool = False
+) -> Iterator[None]:
+    """Name what the run does in the block, for the message of a signal that stops it.
+
+    Under a :class:`RunSignals` the block is that phase (``hint``: how to go on from it).
+    Without one, ``install=True`` enters one for the block (a recipe's entry point: a run,
+    a sweep job started by a launcher, an evaluation); otherwise nothing changes (library
+    use, e.g. ``Brain.fit`` outside a recipe, keeps the signals' usual handling).
+    """
+    active = active_run_signals()
+    if active is not None:
+        with active.phase(phase, hint):
+            yield
+    elif install:
+        with RunSignals(phase, hint or RESUME_HINT):
+            yield
+    else:
+        yield
+
+
+def signals_held() -> contextlib.AbstractContextManager[None]:
+    """:meth:`RunSignals.held` of the one in force (no-op without one): records written
+    together are all written before a signal stops the run."""
+    active = active_run_signals()
+    return active.held() if active is not None else contextlib.nullcontext()

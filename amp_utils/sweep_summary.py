@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_path, atomic_write_text
 from amp_utils.distributed import launch_rank
+from amp_utils.interruption import run_phase
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults, metric_label
 from amp_utils.sweep_keys import MULTIRUN_FILE, precision_first, swept_keys
 from amp_utils.tensorboard import TENSORBOARD_DIR, write_sweep_experiment
@@ -499,6 +500,26 @@ def write_hparams_experiment(sweep_dir: Path, runs: list[dict[str, Any]]) -> lis
         return []
 
 
+def sweep_dir_given(hydra_cfg: DictConfig) -> bool:
+    """Whether the command fixed the sweep's folder (``hydra.sweep.dir=PATH``): the same
+    command then finds it again. The default folder is named by the clock
+    (``multirun/${now:...}``): the same command alone starts a new sweep elsewhere."""
+    for override in OmegaConf.select(hydra_cfg, "overrides.hydra", default=None) or []:
+        key, _, value = str(override).partition("=")
+        if key.lstrip("+") == "hydra.sweep.dir" and "${" not in value:
+            return True
+    return False
+
+
+def summary_resume_hint(hydra_cfg: DictConfig) -> str:
+    """How to write a sweep's summary that a signal stopped: the same command, in the same
+    sweep folder (its finished jobs only say so and are summarised)."""
+    again = "Run the same command again"
+    if not sweep_dir_given(hydra_cfg):
+        again += f" with hydra.sweep.dir={Path(str(hydra_cfg.sweep.dir)).absolute()}"
+    return f"{again} to write it: the sweep's finished jobs are not trained again."
+
+
 def keep_earlier_records(sweep_dir: Path) -> dict[Path, Path]:
     """Copy each of ``SWEEP_RECORDS`` in ``sweep_dir`` to a name dated by its modification
     time (``summary.2026-11-28_21-44-04.md``) before a multirun writes it anew.
@@ -582,9 +603,16 @@ class SweepSummaryCallback(Callback):
                 also when the summary cannot be written (Hydra turns a callback's error
                 into a warning, and the sweep would end as if all were well).
         """
-        sweep_dir = Path(config.hydra.sweep.dir)
         if launch_rank() != 0:  # its jobs recorded nothing: rank 0 summarises the sweep
             return
+        # SIGTERM/SIGINT here stop the sweep with one line (each summary file is written
+        # whole or not at all) saying how to write it (recipes' RunSignals).
+        hint = lambda: summary_resume_hint(config.hydra)  # noqa: E731 (asked at a signal)
+        with run_phase("writing the sweep summary", hint=hint, install=True):
+            self._summarize(config)
+
+    def _summarize(self, config: DictConfig) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             log.warning("Sweep directory %s does not exist; no summary written", sweep_dir)
             return

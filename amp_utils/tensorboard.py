@@ -18,6 +18,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
+from amp_utils.interruption import signals_held
+
 TENSORBOARD_DIR = "tb"  # a run's event folder inside its run folder
 
 
@@ -185,10 +187,11 @@ def write_sweep_experiment(
     earlier = list(Path(sweep_dir).glob("events.out.tfevents.*"))  # this sweep's, if rerun
     if len(earlier) == 1 and _experiment_of(earlier[0]) == _plugin_data(experiment):
         return names  # the same experiment: a rerun of a finished sweep changes no file
-    for old in earlier:
-        old.unlink()
-    with SummaryWriter(str(sweep_dir)) as writer:
-        writer.file_writer.add_summary(experiment)
+    with signals_held():  # a signal waits: the old experiment is not gone without the new
+        for old in earlier:
+            old.unlink()
+        with SummaryWriter(str(sweep_dir)) as writer:
+            writer.file_writer.add_summary(experiment)
     return names
 
 

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import resolve_device
 from amp_utils.atomic import atomic_write_json, atomic_write_text
+from amp_utils.interruption import run_phase, signals_held
 from recipes.audio_brain import LEGACY_AVERAGE_FROM, format_metrics
 from recipes.config import register_resolvers
 from recipes.data_setup import build_data
@@ -37,6 +38,10 @@ from recipes.task import LEGACY_BEAM_SIZE, LEGACY_DECODER
 from recipes.tasks import task_for
 
 SPLITS = ("test", "valid")
+#: How to go on after a signal stopped an evaluation (it writes nothing before its end).
+EVALUATE_AGAIN = "Run the same command again to evaluate."
+#: ... or stopped it while it wrote its files, which it finished first.
+WRITTEN_WHOLE = "Its files were written whole before it stopped: the evaluation is complete."
 _ABSENT = object()  # OmegaConf.select's default for a key the config does not have
 
 
@@ -90,7 +95,8 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     preflight(cfg)  # the checks train.py runs: values, decoder back end, device, precision
     cfg.trainer.noprogressbar = True
     device = resolve_device(run_options(cfg).device)
-    with build_data(cfg, device) as data:  # each run's loader workers end with its evaluation
+    with run_phase(f"evaluating {run_dir}"), build_data(cfg, device) as data:
+        # each run's loader workers end with its evaluation, a signal's too
         brain = build_brain(cfg, data, run_dir, tensorboard=None)
         metrics = brain.evaluate_best(getattr(data, split))
     return {
@@ -143,8 +149,14 @@ def mean_metrics(results: list[dict]) -> dict[str, float] | None:
 def main(argv: list[str] | None = None) -> int:
     """Print the metrics per run (and their mean over several runs); ``--json`` saves them.
 
-    Returns the exit code.
+    Returns the exit code. SIGTERM/SIGINT stop it at once with one line (exit status 1,
+    as a training run's): nothing was written yet, or the files asked for are whole.
     """
+    with run_phase("evaluating", hint=EVALUATE_AGAIN, install=True):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "items",
@@ -187,11 +199,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mean of {len(results)} runs, {args.split}: {format_metrics(mean)}")
         saved = {"runs": results, "mean_metrics": mean}
     errors = [result.pop("errors") for result in results]
-    if args.json is not None:
-        atomic_write_json(args.json, saved)
-    if args.errors is not None:
-        atomic_write_text(args.errors, "\n".join(errors))
-        print(f"errors: {args.errors}")
+    written = [str(f) for f in (args.json, args.errors) if f is not None]
+    # Both or neither (a rerun refuses files that exist); a signal waits for both.
+    phase = f"writing {' and '.join(written)}" if written else "printing the metrics"
+    with run_phase(phase, hint=WRITTEN_WHOLE), signals_held():
+        if args.json is not None:
+            atomic_write_json(args.json, saved)
+        if args.errors is not None:
+            atomic_write_text(args.errors, "\n".join(errors))
+            print(f"errors: {args.errors}")
     return 0
 
 

@@ -40,6 +40,7 @@ from amp_utils.distributed import (
     init_distributed,
     run_on_main,
 )
+from amp_utils.interruption import run_phase, signals_held
 from amp_utils.precision import AUTO, reset_emulation_warnings
 from amp_utils.run_clock import RunClock
 from amp_utils.run_env import write_env_file
@@ -319,25 +320,31 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     A run whose folder holds the results of at least ``trainer.epochs`` epochs has
     finished: its results are returned and nothing is written.
-    """
-    start = time.time()
-    reset_emulation_warnings()  # each run's log says it, a sweep's later jobs' too
-    preflight(cfg)
-    overrides = hydra_task_overrides()
-    if overrides is not None:  # a sweep's job folder, or a fixed one, of other overrides?
-        from hydra.core.hydra_config import HydraConfig
 
-        excludes = override_dirname_excludes(HydraConfig.get())
-        check_run_overrides(Path(cfg.output_dir), overrides, excludes)
-    finished = _finished_run(Path(cfg.output_dir), cfg.trainer)
-    if finished is not None:
-        return finished
-    folder = RunFolder(Path(cfg.output_dir))
-    try:
-        return _train(cfg, folder, start)
-    finally:
-        folder.release()
-        folder.abandon()  # refused before it trained: no trace in the folder (else no-op)
+    SIGTERM/SIGINT (a preemption, ``kill``, Ctrl-C) stop the run: inside the epochs after
+    a checkpoint (``Brain.fit``), anywhere else at once (``RunSignals``, installed here
+    unless the entry point did), with one line saying what was interrupted and how to
+    resume. The same command then goes on as if nothing had happened.
+    """
+    with run_phase("starting the run", install=True):
+        start = time.time()
+        reset_emulation_warnings()  # each run's log says it, a sweep's later jobs' too
+        preflight(cfg)
+        overrides = hydra_task_overrides()
+        if overrides is not None:  # a sweep's job folder, or a fixed one, of other overrides?
+            from hydra.core.hydra_config import HydraConfig
+
+            excludes = override_dirname_excludes(HydraConfig.get())
+            check_run_overrides(Path(cfg.output_dir), overrides, excludes)
+        finished = _finished_run(Path(cfg.output_dir), cfg.trainer)
+        if finished is not None:
+            return finished
+        folder = RunFolder(Path(cfg.output_dir))
+        try:
+            return _train(cfg, folder, start)
+        finally:
+            folder.release()
+            folder.abandon()  # refused before it trained: no trace in the folder (else no-op)
 
 
 def _finished_run(out_dir: Path, trainer: DictConfig) -> dict[str, Any] | None:
@@ -363,113 +370,125 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
     if finished is not None:
         return finished
     seed_everything(cfg.seed)
-    data = build_data(cfg, device, dist_info)
+    with run_phase("preparing the data"):
+        data = build_data(cfg, device, dist_info)
     main = dist_info.is_main
 
     def on_fit_ready() -> None:  # data read, checkpoint loaded: the run goes ahead
         clock.resumed()
-        folder.accept(cfg, write_files=main)
-        if main:
-            log_header(cfg, brain, data, out_dir)
-            write_env_file(out_dir / "env.txt")
-            atomic_write_json(
-                out_dir / LABELS_FILE,
-                {
-                    "task": cfg.model.task,
-                    "speakers": list(data.speakers),
-                    "words": list(data.words),
-                },
-            )
+        with signals_held():  # the run's record (.hydra/, train.log, labels) whole
+            folder.accept(cfg, write_files=main)
+            if main:
+                log_header(cfg, brain, data, out_dir)
+                write_env_file(out_dir / "env.txt")
+                atomic_write_json(
+                    out_dir / LABELS_FILE,
+                    {
+                        "task": cfg.model.task,
+                        "speakers": list(data.speakers),
+                        "words": list(data.words),
+                    },
+                )
 
     tensorboard = TensorBoardLogger(out_dir / TENSORBOARD_DIR) if main else None
     try:
-        brain = build_brain(cfg, data, out_dir, tensorboard, on_fit_ready)
-        clock = RunClock(brain.peak_memory_mb, start=start)
-        if brain.checkpointer is not None:  # optional: checkpoints from before it still load
-            brain.checkpointer.add_recoverable("run_clock", clock, optional=True)
-        epochs = EpochCounter(cfg.trainer.epochs)
-        brain.fit(epochs, data.train, data.valid)
+        with run_phase("setting up the model"):
+            brain = build_brain(cfg, data, out_dir, tensorboard, on_fit_ready)
+            clock = RunClock(brain.peak_memory_mb, start=start)
+            if brain.checkpointer is not None:  # optional: checkpoints from before still load
+                brain.checkpointer.add_recoverable("run_clock", clock, optional=True)
+            epochs = EpochCounter(cfg.trainer.epochs)
+        with run_phase("training"):  # the epochs themselves: Brain.fit's StopSignals
+            brain.fit(epochs, data.train, data.valid)
         epochs_completed = epochs.current  # before testing loads the best checkpoint
-        test_metrics = brain.evaluate_best(data.test)
-        tested = brain.tested_checkpoint()
-        valid_metrics = tested["valid_metrics"] if tested else {}
-        valid_metrics_of = "tested_checkpoint"
-        if tested and (tested["averaged_checkpoints"] or not brain.validates_like_test()):
-            # The run's validation figures (and a sweeper's objective) are the tested
-            # weights' scored as the test scores them: an average of checkpoints' (no single
-            # checkpoint holds them), and with the test's decoder where the epochs validated
-            # with another (model.valid_decoder).
-            valid_metrics = brain.score_loaded_weights(data.valid)
-            if tested["averaged_checkpoints"]:
-                valid_metrics_of = "averaged_checkpoints"
-        stats = brain.global_train_stats()
-        results = RunResults(
-            precision=brain.amp.name,  # as used (precision=auto resolved)
-            eval_precision=brain.eval_amp.name,
-            precision_requested=cfg.precision.name,
-            device=brain.device.type,
-            device_name=device_name(brain.device),
-            world_size=dist_info.world_size,
-            distributed_backend=dist_info.backend,
-            model=cfg.model.name,
-            task=cfg.model.task,
-            data=cfg.data.name,
-            dataset=data.record,
-            overrides=hydra_task_overrides(),  # None outside @hydra.main: not recorded
-            test_metrics=test_metrics,
-            tested_checkpoint=tested,
-            # The tested weights' validation metrics (not the last epoch's).
-            valid_metrics=valid_metrics,
-            valid_metrics_of=valid_metrics_of,
-            throughput=Throughput.from_train_stats(stats),
-            peak_memory_mb=clock.peak_memory_mb(),
-            peak_memory_kind="cuda_max_reserved" if brain.device.type == "cuda" else "process_rss",
-            wall_time_s=clock.wall_time_s(),
-            sessions=clock.sessions,
-            epochs=cfg.trainer.epochs,
-            epochs_completed=epochs_completed,
-            optimizer_steps=brain.optimizer_step,
-            skipped_steps=brain.skipped_steps,
-            num_parameters=sum(p.numel() for p in brain.modules.model.parameters()),
-            skipped_files=len(data.skipped_files),
-            compile=compile_stats() if cfg.trainer.compile else None,
-            step_graphs=brain.step_graph_stats(),
-            eval_graphs=brain.eval_graph_stats(),
-            torch_version=torch.__version__,
-        )
-        ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store
-        if not main:
+        with run_phase("testing the best checkpoint"):
+            test_metrics = brain.evaluate_best(data.test)
+            tested = brain.tested_checkpoint()
+            valid_metrics = tested["valid_metrics"] if tested else {}
+            valid_metrics_of = "tested_checkpoint"
+            if tested and (tested["averaged_checkpoints"] or not brain.validates_like_test()):
+                # The run's validation figures (and a sweeper's objective) are the tested
+                # weights' scored as the test scores them: an average of checkpoints' (no
+                # single checkpoint holds them), and with the test's decoder where the
+                # epochs validated with another (model.valid_decoder).
+                valid_metrics = brain.score_loaded_weights(data.valid)
+                if tested["averaged_checkpoints"]:
+                    valid_metrics_of = "averaged_checkpoints"
+        with run_phase("writing the results"):
+            stats = brain.global_train_stats()
+            results = RunResults(
+                precision=brain.amp.name,  # as used (precision=auto resolved)
+                eval_precision=brain.eval_amp.name,
+                precision_requested=cfg.precision.name,
+                device=brain.device.type,
+                device_name=device_name(brain.device),
+                world_size=dist_info.world_size,
+                distributed_backend=dist_info.backend,
+                model=cfg.model.name,
+                task=cfg.model.task,
+                data=cfg.data.name,
+                dataset=data.record,
+                overrides=hydra_task_overrides(),  # None outside @hydra.main: not recorded
+                test_metrics=test_metrics,
+                tested_checkpoint=tested,
+                # The tested weights' validation metrics (not the last epoch's).
+                valid_metrics=valid_metrics,
+                valid_metrics_of=valid_metrics_of,
+                throughput=Throughput.from_train_stats(stats),
+                peak_memory_mb=clock.peak_memory_mb(),
+                peak_memory_kind="cuda_max_reserved"
+                if brain.device.type == "cuda"
+                else "process_rss",
+                wall_time_s=clock.wall_time_s(),
+                sessions=clock.sessions,
+                epochs=cfg.trainer.epochs,
+                epochs_completed=epochs_completed,
+                optimizer_steps=brain.optimizer_step,
+                skipped_steps=brain.skipped_steps,
+                num_parameters=sum(p.numel() for p in brain.modules.model.parameters()),
+                skipped_files=len(data.skipped_files),
+                compile=compile_stats() if cfg.trainer.compile else None,
+                step_graphs=brain.step_graph_stats(),
+                eval_graphs=brain.eval_graph_stats(),
+                torch_version=torch.__version__,
+            )
+            ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store
+            if not main:
+                return results.to_dict()
+            words = task_for(cfg.model).needs_tokenizer
+            atomic_write_text(
+                out_dir / TEST_ERRORS_FILE,
+                error_report(
+                    brain.outcomes,
+                    words=words,
+                    title=f"Test errors of {out_dir.name} ({cfg.model.name}, {cfg.data.name})",
+                ),
+            )
+            collapse = find_collapse(brain.outcomes, words)
+            if collapse is not None:
+                logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
+                results.collapsed = collapse.record()
+            # The TensorBoard record is complete and on disk before results.json marks the run
+            # finished: a rerun of a finished run changes nothing, so a run killed between the
+            # two would lack its test figures and hparams for good. (Killed before results.json,
+            # the rerun tests again and logs the same figures at the same step once more.) A
+            # signal waits for both: the run then stops finished, its records whole.
+            with signals_held():
+                hparams, metrics = tensorboard_hparams(cfg, results, data)
+                tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
+                tensorboard.log_hparams(hparams, list(metrics))
+                tensorboard.flush()
+                results.write(out_dir / RESULTS_FILE)
+            split = results.time_split()
+            if split is not None:
+                logger.info("time: %s", split)
+            logger.info("results: %s", out_dir / RESULTS_FILE)
             return results.to_dict()
-        words = task_for(cfg.model).needs_tokenizer
-        atomic_write_text(
-            out_dir / TEST_ERRORS_FILE,
-            error_report(
-                brain.outcomes,
-                words=words,
-                title=f"Test errors of {out_dir.name} ({cfg.model.name}, {cfg.data.name})",
-            ),
-        )
-        collapse = find_collapse(brain.outcomes, words)
-        if collapse is not None:
-            logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
-            results.collapsed = collapse.record()
-        # The TensorBoard record is complete and on disk before results.json marks the run
-        # finished: a rerun of a finished run changes nothing, so a run killed between the
-        # two would lack its test figures and hparams for good. (Killed before results.json,
-        # the rerun tests again and logs the same figures at the same step once more.)
-        hparams, metrics = tensorboard_hparams(cfg, results, data)
-        tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
-        tensorboard.log_hparams(hparams, list(metrics))
-        tensorboard.flush()
-        results.write(out_dir / RESULTS_FILE)
-        split = results.time_split()
-        if split is not None:
-            logger.info("time: %s", split)
     finally:
-        try:
-            data.close()  # this job's loader workers end with it, not at a later collection
-        finally:
-            if tensorboard is not None:
-                tensorboard.close()
-    logger.info("results: %s", out_dir / RESULTS_FILE)
-    return results.to_dict()
+        # loader workers shut down and the event file closed whole, whatever ended the run
+        with run_phase("finishing the run"), signals_held():
+            try:
+                data.close()  # this job's loader workers end with it, not at a later collection
+            finally:
+                if tensorboard is not None:
+                    tensorboard.close()

@@ -48,7 +48,12 @@ from amp_utils.atomic import atomic_write_text
 from amp_utils.distributed import launch_rank, lost_a_peer, lost_a_peer_message
 from amp_utils.interruption import RESUME_HINT, TrainingInterrupted
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults
-from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_ENV, MULTIRUN_ID_FILE
+from amp_utils.sweep_summary import (
+    JOB_STATUS_FILE,
+    MULTIRUN_ID_ENV,
+    MULTIRUN_ID_FILE,
+    sweep_dir_given,
+)
 from recipes.config import ConfigError
 from recipes.error_report import TEST_ERRORS_FILE
 from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
@@ -671,11 +676,13 @@ def run_job(job: Callable[[], float]) -> float:
         value = job()
         status.write("finished")
         return value
-    except TrainingInterrupted as err:  # a signal: saved, and how to resume
+    except TrainingInterrupted as err:  # a signal: saved (or nothing to save), how to resume
         hint = sweep_resume_hint()
+        message = str(err) if hint is None else str(err).replace(RESUME_HINT, hint)
+        log_to_files(logging.WARNING, message)  # train.log says why this session ended
         if hint is None:
             raise
-        raise TrainingInterrupted(str(err).replace(RESUME_HINT, hint)) from None
+        raise type(err)(message) from None
     except USER_ERRORS as err:  # bad input: one line, no traceback, printed once
         log_to_files(logging.ERROR, f"{type(err).__name__}: {err}")  # the run's train.log
         status.write("failed", f"{type(err).__name__}: {err}")
@@ -705,16 +712,22 @@ def sweep_resume_hint() -> str | None:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     hydra_cfg = HydraConfig.get()
-    for override in hydra_cfg.overrides.hydra:
-        key, _, value = str(override).partition("=")
-        if key.lstrip("+") == "hydra.sweep.dir" and "${" not in value:
-            return None  # fixed on the command line: the same command finds it
+    if sweep_dir_given(hydra_cfg):  # fixed on the command line: the same command finds it
+        return None
     sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
     return (
         f"Run the same command again with hydra.sweep.dir={sweep_dir} to resume where it "
         "stopped (without it the sweep starts again in a new folder named by the clock, "
         "every job from scratch)."
     )
+
+
+def resume_hint() -> str:
+    """How to go on with this command after a signal: :func:`sweep_resume_hint` in a sweep
+    whose folder is named by the clock, else the same command (``RESUME_HINT``). Asked
+    when the signal comes (``recipes/train.py``'s ``RunSignals``): Hydra sets the sweep's
+    folder up after the process started."""
+    return sweep_resume_hint() or RESUME_HINT
 
 
 def failed_job_value() -> float:

@@ -17,9 +17,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from amp_utils.interruption import run_phase
 from recipes.config import exit_on_unknown_override_keys, register_resolvers
 from recipes.experiment import sweep_objective, train
-from recipes.run_folder import run_job
+from recipes.run_folder import resume_hint, run_job
 from recipes.schema import Config, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -43,4 +44,7 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     # a key typo, or a key of another option: one line naming the fix
     exit_on_unknown_override_keys(Config, config_name="config")
-    main()
+    # SIGTERM/SIGINT end the command with one line saying what they interrupted and how to
+    # resume, from here to the sweep's summary (in the epochs: after a checkpoint).
+    with run_phase("starting the run", hint=resume_hint, install=True):
+        main()

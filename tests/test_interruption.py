@@ -8,11 +8,16 @@ import signal
 import pytest
 
 from amp_utils.interruption import (
+    RESUME_HINT,
     MidEpochCheckpointPolicy,
     MidEpochDecision,
+    RunInterrupted,
+    RunSignals,
     StopSignals,
     TrainingInterrupted,
     interrupted_error,
+    run_phase,
+    signals_held,
 )
 
 
@@ -104,3 +109,80 @@ def test_interrupted_error_names_the_signal_and_how_to_resume():
     assert isinstance(error, TrainingInterrupted)
     assert "SIGINT" in str(error) and "epoch 2, batch 5" in str(error)
     assert "Run the same command again" in str(error)
+
+
+def test_outside_fit_a_signal_stops_at_once_naming_what_the_run_was_doing():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with pytest.raises(RunInterrupted) as caught, RunSignals():
+        with run_phase("preparing the data"):
+            pass
+        with run_phase("testing the best checkpoint"):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the same exit, no traceback
+            pytest.fail("not stopped at once")
+    assert isinstance(caught.value, TrainingInterrupted | SystemExit)
+    assert str(caught.value) == (
+        "Received SIGINT while testing the best checkpoint: stopped there; nothing recorded "
+        f"was lost (no file is left half-written). {RESUME_HINT}"
+    )
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_held_block_is_finished_before_the_signal_stops_the_run():
+    """Records written together (TensorBoard's final figures, then results.json) are all
+    written; a forwarded copy of the SIGTERM changes nothing, another signal stops now."""
+    done = []
+    with pytest.raises(RunInterrupted, match="while writing the results"), RunSignals():
+        with run_phase("writing the results"), signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # torchrun's forwarded copy
+            done.append("tensorboard")
+            done.append("results.json")
+        pytest.fail("not stopped at the end of the held block")
+    assert done == ["tensorboard", "results.json"]
+    with pytest.raises(KeyboardInterrupt), RunSignals(), signals_held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the SIGTERM: stop now
+
+
+def test_a_held_block_that_fails_raises_its_own_error():
+    with pytest.raises(ValueError, match="disk"), RunSignals(), signals_held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise ValueError("disk full")
+
+
+def test_run_phase_changes_no_handler_without_run_signals_unless_asked():
+    """Library use (a Brain outside the recipes) keeps the signals' usual handling."""
+    before = signal.getsignal(signal.SIGTERM)
+    with run_phase("loading the checkpoint to resume from"):
+        assert signal.getsignal(signal.SIGTERM) is before
+    with run_phase("evaluating", hint="Run it again.", install=True):
+        assert signal.getsignal(signal.SIGTERM) is not before
+        with pytest.raises(RunInterrupted, match=r"while evaluating: .* Run it again\.$"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_fit_caught_after_its_last_look_stops_the_run_when_fit_ends():
+    """Inside fit StopSignals takes over; a signal it caught that ended nothing (after the
+    loop's last look: the last checkpoint's write) stops the run when it exits, instead of
+    the run going on to test as if none had come."""
+    with pytest.raises(RunInterrupted, match="Received SIGTERM while training"), RunSignals():
+        with run_phase("training"), StopSignals() as caught:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert caught.received == signal.SIGTERM  # no exception inside fit
+        pytest.fail("the caught signal was dropped")
+    with pytest.raises(TrainingInterrupted) as saved, RunSignals(), StopSignals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise interrupted_error(signal.SIGTERM, 1, 3)  # fit's own exit stands alone
+    assert "saved a checkpoint" in str(saved.value)
+    with pytest.raises(TrainingInterrupted) as saved, RunSignals():
+        try:
+            with StopSignals():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise interrupted_error(signal.SIGTERM, 1, 3)
+        finally:  # torchrun's forwarded copy, after fit stopped: the same request
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert "saved a checkpoint" in str(saved.value)
+    with StopSignals() as caught:  # without RunSignals (library use) nothing more happens
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert caught.received == signal.SIGTERM
