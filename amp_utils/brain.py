@@ -1192,6 +1192,7 @@ class Brain(GraphedSteps):
         self.modules.eval()
         self.step = 0
         stage_loss = RunningMean()
+        nonfinite = 0  # batches whose loss the mean leaves out (inf/NaN)
         desc = f"epoch {self.epoch_label(epoch)} {stage.name.lower()}" if epoch else "test"
         validating = stage == Stage.VALID and epoch is not None
         batches: Iterable[Any] = loader
@@ -1213,19 +1214,34 @@ class Brain(GraphedSteps):
                         break
                     self.step += 1
                     loss = self.evaluate_batch(batch, stage)
-                    stage_loss.add(float(loss))
+                    nonfinite += not stage_loss.add(float(loss))
                 if rounds is not None:
                     (agreed,) = any_rank(self.stop_signals.received is not None)
                     self._stop_in_validation(epoch, agreed=agreed)
                 elif validating:
                     self._stop_in_validation(epoch)
                 self.stall_watchdog.beat()
+        mean = stage_loss.mean
         if self.distributed.world_size > 1:  # each rank saw its own shard of the split
             totals = all_reduce_counts(
-                {"loss": stage_loss.mean * stage_loss.count, "batches": stage_loss.count}
+                {
+                    "loss": stage_loss.mean * stage_loss.count,
+                    "batches": stage_loss.count,
+                    "nonfinite": nonfinite,
+                }
             )
-            return totals["loss"] / max(totals["batches"], 1)
-        return stage_loss.mean
+            mean, nonfinite = totals["loss"] / max(totals["batches"], 1), int(totals["nonfinite"])
+        if nonfinite:
+            logger.warning(
+                "%s: %d evaluated batch(es) had a non-finite loss (inf/NaN, e.g. an overflow "
+                "in %s): the %s loss is the mean of the other batches only; the metrics "
+                "(CER, accuracy, ...) still score every utterance.",
+                desc,
+                nonfinite,
+                self.eval_amp.name,
+                stage.name.lower(),
+            )
+        return mean
 
     def on_evaluate_start(self, max_key: str | None = None, min_key: str | None = None) -> None:
         """Load the best checkpoint by ``max_key``/``min_key`` (else the latest) before testing.

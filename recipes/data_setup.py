@@ -12,6 +12,8 @@ are built on the fly from rank 0's plans.
 from __future__ import annotations
 
 import logging
+import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,10 +133,60 @@ def prepare_manifests(data_cfg: DictConfig) -> dict[str, Path]:
     )
 
 
+def shared_audio(utterances: dict[str, list[Utterance]]) -> dict[str, list[str]]:
+    """Audio files that an evaluation split shares with an earlier split, or holds twice.
+
+    A test utterance whose file is also in training (or validation, which picks the tested
+    checkpoint) is scored on audio the run has learned from: the test figure then
+    overstates the model, and nothing else says so. A file listed twice in one evaluation
+    split counts twice in its metrics. Files are compared by their resolved paths.
+
+    Returns:
+        ``{"test in train": [paths], ...}`` for each overlap found (``valid in train``,
+        ``test in train``, ``test in valid``, ``twice in valid``, ``twice in test``), each
+        list sorted; empty when the splits are disjoint.
+    """
+    files = {
+        split: [os.path.realpath(utt.path) for utt in utts] for split, utts in utterances.items()
+    }
+    found: dict[str, list[str]] = {}
+    for later, earlier in (("valid", "train"), ("test", "train"), ("test", "valid")):
+        if later in files and earlier in files:
+            common = sorted(set(files[later]) & set(files[earlier]))
+            if common:
+                found[f"{later} in {earlier}"] = common
+    for split in ("valid", "test"):
+        repeated = sorted(path for path, n in Counter(files.get(split, [])).items() if n > 1)
+        if repeated:
+            found[f"twice in {split}"] = repeated
+    return found
+
+
+def warn_shared_audio(utterances: dict[str, list[Utterance]]) -> dict[str, list[str]]:
+    """Log a warning for each overlap :func:`shared_audio` finds; returns them."""
+    found = shared_audio(utterances)
+    for overlap, paths in found.items():
+        later, _, earlier = overlap.partition(" in ")
+        what = (
+            f"{len(paths)} audio file(s) of the {earlier} split are listed twice in it"
+            if later == "twice"
+            else f"{len(paths)} audio file(s) of the {later} split are also in the {earlier} split"
+        )
+        logger.warning(
+            "%s (e.g. %s): its metrics count them %s. Fix: give every split its own "
+            "utterances (data.train, data.valid, data.test).",
+            what,
+            ", ".join(paths[:3]),
+            "twice" if later == "twice" else "on audio the run has seen",
+        )
+    return found
+
+
 def load_utterances(
     manifests: dict[str, Path], skip_bad_files: bool
 ) -> tuple[dict[str, list[Utterance]], list[tuple[str, str]]]:
-    """Read and check every split's manifest and audio headers before training starts."""
+    """Read and check every split's manifest and audio headers before training starts;
+    warns when the splits share audio files (:func:`warn_shared_audio`)."""
     splits, skipped = {}, []
     for split in SPLITS:
         utterances = read_manifest(manifests[split])
@@ -147,6 +199,7 @@ def load_utterances(
         for path, reason in bad:
             logger.warning("Skipping bad audio file %s: %s", path, reason)
         splits[split], skipped = good, skipped + bad
+    warn_shared_audio(splits)
     return splits, skipped
 
 

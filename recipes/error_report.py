@@ -175,7 +175,7 @@ def error_report(
     words: bool,
     title: str = "Errors",
     max_confusions: int = 20,
-    max_listed: int = 200,
+    max_listed: int | None = None,
 ) -> str:
     """A markdown report of ``outcomes``: totals, errors per speaker, the most frequent
     confusions (with the speakers they come from) and the wrong utterances.
@@ -185,9 +185,12 @@ def error_report(
         words: ASR (confusions are aligned word pairs) or not (whole labels).
         title: the report's heading.
         max_confusions: rows of the confusion table.
-        max_listed: wrong utterances listed (all are counted).
+        max_listed: wrong utterances listed (all are counted); None: every one, so that
+            the report with the test manifest gives the test's figures (CER, WER,
+            accuracy) utterance by utterance.
     """
     wrong = [o for o in outcomes if not o.correct]
+    listed = len(wrong) if max_listed is None else min(len(wrong), max_listed)
     share = 100.0 * len(wrong) / max(len(outcomes), 1)
     lines = [f"# {title}", "", f"{len(wrong)} of {len(outcomes)} utterances wrong ({share:.2f} %)."]
     collapse = find_collapse(outcomes, words)
@@ -233,12 +236,12 @@ def error_report(
 
     lines += [
         "",
-        f"## Wrong utterances ({min(len(wrong), max_listed)} of {len(wrong)} listed)",
+        f"## Wrong utterances ({listed} of {len(wrong)} listed)",
         "",
         "| id | speaker | reference | prediction |",
         "|---|---|---|---|",
     ]
-    for outcome in sorted(wrong, key=lambda o: (o.speaker, o.id))[:max_listed]:
+    for outcome in sorted(wrong, key=lambda o: (o.speaker, o.id))[:listed]:
         lines.append(
             f"| {outcome.id} | {outcome.speaker} | {_cell(outcome.reference)} "
             f"| {_cell(outcome.prediction)} |"

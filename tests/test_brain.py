@@ -1729,3 +1729,28 @@ def test_a_checkpoint_without_its_factor_still_resumes_and_names_the_process_cha
         brain.load_state_dict(state)
         brain._report_batch_layout_change()
     assert "saved by 2 process(es) with 1 process(es)" in caplog.text
+
+
+def test_an_evaluation_loss_left_out_as_non_finite_is_warned_about(caplog):
+    """A test batch whose loss overflowed (inf) was left out of the test loss without a
+    word, so the reported loss was that of the other batches only."""
+
+    class Overflowing(RegressionBrain):
+        def compute_objectives(self, predictions, batch, stage):
+            loss = super().compute_objectives(predictions, batch, stage)
+            return loss * float("inf") if batch[0][0, 0] > 10.0 else loss
+
+    data = make_data(32)
+    x, y = data.tensors
+    x[8, 0] = 50.0  # the first item of the third batch of 4
+    brain = Overflowing({"model": make_model()}, sgd(), run_opts=run_opts())
+    loader = DataLoader(data, batch_size=4)
+    with caplog.at_level(logging.WARNING, logger="amp_utils.brain"):
+        loss = brain.evaluate(loader)
+    assert 0 < loss < float("inf")
+    assert "test: 1 evaluated batch(es) had a non-finite loss" in caplog.text
+    caplog.clear()
+    clean = make_data(32)
+    with caplog.at_level(logging.WARNING, logger="amp_utils.brain"):
+        brain.evaluate(DataLoader(clean, batch_size=4))
+    assert "non-finite" not in caplog.text

@@ -126,3 +126,15 @@ def test_saying_what_most_references_say_is_not_a_collapse() -> None:
     outcomes = [Outcome(f"u{i}", "s", "two", "two") for i in range(25)]
     outcomes += [Outcome(f"v{i}", "s", "six", "two") for i in range(5)]
     assert find_collapse(outcomes, words=True) is None
+
+
+def test_the_report_lists_every_wrong_utterance_by_default() -> None:
+    """docs/run_outputs.md promises every wrong utterance in test_errors.md; it listed the
+    first 200, so a test with more errors (the 1000-utterance connected-digit test of a
+    collapsed run: 999) could not be checked utterance by utterance against its figures."""
+    outcomes = connected_digits(lambda reference: "five", n=250)
+    wrong = [o for o in outcomes if not o.correct]
+    report = error_report(outcomes, words=True)
+    assert f"## Wrong utterances ({len(wrong)} of {len(wrong)} listed)" in report
+    listed = {line.split(" | ")[0].lstrip("| ") for line in report.splitlines()[-len(wrong) :]}
+    assert listed == {o.id for o in wrong}
