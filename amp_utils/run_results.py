@@ -105,6 +105,8 @@ class RunResults:
     dataset: dict[str, Any] = field(default_factory=dict)  # root, manifests, split sizes
     overrides: list[str] | None = None  # Hydra overrides of the run (None: not recorded)
     test_metrics: dict[str, float] = field(default_factory=dict)
+    # utterances the test scored (None: not recorded); a debug run's are its few batches'
+    test_utterances: int | None = None
     # the test found a collapsed model (label, share, reference_share, said); None: it listens
     collapsed: dict[str, Any] | None = None
     tested_checkpoint: dict[str, Any] | None = None  # which checkpoint the test used

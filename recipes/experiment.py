@@ -402,87 +402,12 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             brain.fit(epochs, data.train, data.valid)
         epochs_completed = epochs.current  # before testing loads the best checkpoint
         with run_phase("testing the best checkpoint"):
-            test_metrics = brain.evaluate_best(data.test)
-            tested = brain.tested_checkpoint()
-            valid_metrics = tested["valid_metrics"] if tested else {}
-            valid_metrics_of = "tested_checkpoint"
-            if tested and (tested["averaged_checkpoints"] or not brain.validates_like_test()):
-                # The run's validation figures (and a sweeper's objective) are the tested
-                # weights' scored as the test scores them: an average of checkpoints' (no
-                # single checkpoint holds them), and with the test's decoder where the
-                # epochs validated with another (model.valid_decoder).
-                valid_metrics = brain.score_loaded_weights(data.valid)
-                if tested["averaged_checkpoints"]:
-                    valid_metrics_of = "averaged_checkpoints"
+            tested = _test_best(brain, data)
         with run_phase("writing the results"):
-            stats = brain.global_train_stats()
-            results = RunResults(
-                precision=brain.amp.name,  # as used (precision=auto resolved)
-                eval_precision=brain.eval_amp.name,
-                precision_requested=cfg.precision.name,
-                device=brain.device.type,
-                device_name=device_name(brain.device),
-                world_size=dist_info.world_size,
-                distributed_backend=dist_info.backend,
-                model=cfg.model.name,
-                task=cfg.model.task,
-                data=cfg.data.name,
-                dataset=data.record,
-                overrides=hydra_task_overrides(),  # None outside @hydra.main: not recorded
-                test_metrics=test_metrics,
-                tested_checkpoint=tested,
-                # The tested weights' validation metrics (not the last epoch's).
-                valid_metrics=valid_metrics,
-                valid_metrics_of=valid_metrics_of,
-                throughput=Throughput.from_train_stats(stats),
-                peak_memory_mb=clock.peak_memory_mb(),
-                peak_memory_kind="cuda_max_reserved"
-                if brain.device.type == "cuda"
-                else "process_rss",
-                wall_time_s=clock.wall_time_s(),
-                sessions=clock.sessions,
-                epochs=cfg.trainer.epochs,
-                epochs_completed=epochs_completed,
-                optimizer_steps=brain.optimizer_step,
-                skipped_steps=brain.skipped_steps,
-                num_parameters=sum(p.numel() for p in brain.modules.model.parameters()),
-                skipped_files=len(data.skipped_files),
-                compile=compile_stats() if cfg.trainer.compile else None,
-                step_graphs=brain.step_graph_stats(),
-                eval_graphs=brain.eval_graph_stats(),
-                torch_version=torch.__version__,
-            )
+            results = _run_results(cfg, brain, data, dist_info, clock, tested, epochs_completed)
             ddp_barrier()  # ranks > 0 leave first: rank 0 may host the rendezvous store
-            if not main:
-                return results.to_dict()
-            words = task_for(cfg.model).needs_tokenizer
-            atomic_write_text(
-                out_dir / TEST_ERRORS_FILE,
-                error_report(
-                    brain.outcomes,
-                    words=words,
-                    title=f"Test errors of {out_dir.name} ({cfg.model.name}, {cfg.data.name})",
-                ),
-            )
-            collapse = find_collapse(brain.outcomes, words)
-            if collapse is not None:
-                logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
-                results.collapsed = collapse.record()
-            # The TensorBoard record is complete and on disk before results.json marks the run
-            # finished: a rerun of a finished run changes nothing, so a run killed between the
-            # two would lack its test figures and hparams for good. (Killed before results.json,
-            # the rerun tests again and logs the same figures at the same step once more.) A
-            # signal waits for both: the run then stops finished, its records whole.
-            with signals_held():
-                hparams, metrics = tensorboard_hparams(cfg, results, data)
-                tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
-                tensorboard.log_hparams(hparams, list(metrics))
-                tensorboard.flush()
-                results.write(out_dir / RESULTS_FILE)
-            split = results.time_split()
-            if split is not None:
-                logger.info("time: %s", split)
-            logger.info("results: %s", out_dir / RESULTS_FILE)
+            if main:
+                _write_records(cfg, brain, data, results, out_dir, tensorboard)
             return results.to_dict()
     finally:
         # loader workers shut down and the event file closed whole, whatever ended the run
@@ -492,3 +417,110 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             finally:
                 if tensorboard is not None:
                     tensorboard.close()
+
+
+def _test_best(brain: AudioBrain, data: DataBundle) -> dict[str, Any]:
+    """Test the best checkpoint (or the average of the best ones); returns the test metrics,
+    the tested checkpoint's record and the tested weights' validation metrics, as
+    ``RunResults`` fields."""
+    test_metrics = brain.evaluate_best(data.test)
+    tested = brain.tested_checkpoint()
+    valid_metrics = tested["valid_metrics"] if tested else {}
+    valid_metrics_of = "tested_checkpoint"
+    if tested and (tested["averaged_checkpoints"] or not brain.validates_like_test()):
+        # The run's validation figures (and a sweeper's objective) are the tested weights'
+        # scored as the test scores them: an average of checkpoints' (no single checkpoint
+        # holds them), and with the test's decoder where the epochs validated with another
+        # (model.valid_decoder).
+        valid_metrics = brain.score_loaded_weights(data.valid)
+        if tested["averaged_checkpoints"]:
+            valid_metrics_of = "averaged_checkpoints"
+    return {
+        "test_metrics": test_metrics,
+        "tested_checkpoint": tested,
+        "valid_metrics": valid_metrics,  # the tested weights', not the last epoch's
+        "valid_metrics_of": valid_metrics_of,
+    }
+
+
+def _run_results(
+    cfg: DictConfig,
+    brain: AudioBrain,
+    data: DataBundle,
+    dist_info: DistributedInfo,
+    clock: RunClock,
+    tested: dict[str, Any],
+    epochs_completed: int,
+) -> RunResults:
+    """The run's ``results.json`` record, over all its sessions; ``tested``: ``_test_best``."""
+    return RunResults(
+        precision=brain.amp.name,  # as used (precision=auto resolved)
+        eval_precision=brain.eval_amp.name,
+        precision_requested=cfg.precision.name,
+        device=brain.device.type,
+        device_name=device_name(brain.device),
+        world_size=dist_info.world_size,
+        distributed_backend=dist_info.backend,
+        model=cfg.model.name,
+        task=cfg.model.task,
+        data=cfg.data.name,
+        dataset=data.record,
+        overrides=hydra_task_overrides(),  # None outside @hydra.main: not recorded
+        test_utterances=len(brain.outcomes),  # all ranks'; a debug run tests a few batches
+        **tested,
+        throughput=Throughput.from_train_stats(brain.global_train_stats()),
+        peak_memory_mb=clock.peak_memory_mb(),
+        peak_memory_kind="cuda_max_reserved" if brain.device.type == "cuda" else "process_rss",
+        wall_time_s=clock.wall_time_s(),
+        sessions=clock.sessions,
+        epochs=cfg.trainer.epochs,
+        epochs_completed=epochs_completed,
+        optimizer_steps=brain.optimizer_step,
+        skipped_steps=brain.skipped_steps,
+        num_parameters=sum(p.numel() for p in brain.modules.model.parameters()),
+        skipped_files=len(data.skipped_files),
+        compile=compile_stats() if cfg.trainer.compile else None,
+        step_graphs=brain.step_graph_stats(),
+        eval_graphs=brain.eval_graph_stats(),
+        torch_version=torch.__version__,
+    )
+
+
+def _write_records(
+    cfg: DictConfig,
+    brain: AudioBrain,
+    data: DataBundle,
+    results: RunResults,
+    out_dir: Path,
+    tensorboard: TensorBoardLogger,
+) -> None:
+    """Rank 0's records of a finished run: ``test_errors.md``, the final TensorBoard figures
+    and hparams, then ``results.json``, which marks the run finished."""
+    words = task_for(cfg.model).needs_tokenizer
+    atomic_write_text(
+        out_dir / TEST_ERRORS_FILE,
+        error_report(
+            brain.outcomes,
+            words=words,
+            title=f"Test errors of {out_dir.name} ({cfg.model.name}, {cfg.data.name})",
+        ),
+    )
+    collapse = find_collapse(brain.outcomes, words)
+    if collapse is not None:
+        logger.warning("collapsed: %s (%s)", collapse.message(), out_dir / TEST_ERRORS_FILE)
+        results.collapsed = collapse.record()
+    # The TensorBoard record is complete and on disk before results.json marks the run
+    # finished: a rerun of a finished run changes nothing, so a run killed between the two
+    # would lack its test figures and hparams for good. (Killed before results.json, the
+    # rerun tests again and logs the same figures at the same step once more.) A signal
+    # waits for both: the run then stops finished, its records whole.
+    with signals_held():
+        hparams, metrics = tensorboard_hparams(cfg, results, data)
+        tensorboard.log_scalars(metrics, step=brain.ledger.steps_taken)
+        tensorboard.log_hparams(hparams, list(metrics))
+        tensorboard.flush()
+        results.write(out_dir / RESULTS_FILE)
+    split = results.time_split()
+    if split is not None:
+        logger.info("time: %s", split)
+    logger.info("results: %s", out_dir / RESULTS_FILE)

@@ -114,6 +114,11 @@ def test_asr_run_writes_metrics_checkpoints_and_tensorboard(
     assert parts < saved["wall_time_s"]
     assert "time: wall time" in caplog.text and "validation" in caplog.text
     assert saved["optimizer_steps"] == 4
+    # A debug run tests its first 2 batches, not the 300 utterances of the split: the record
+    # says how many the test metrics are of (the utterances of the error report's table).
+    report = (run / "test_errors.md").read_text()
+    assert 0 < saved["test_utterances"] < saved["dataset"]["splits"]["test"]["utterances"] == 300
+    assert f" of {saved['test_utterances']} utterances wrong" in report
     assert "torch" in (run / "env.txt").read_text()
     # Four steps teach a CTC model the labels' prior: it says one thing (nothing, or one
     # word, depending on the draws) for most utterances; the error report and log say so.

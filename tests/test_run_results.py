@@ -22,6 +22,7 @@ RESULTS_KEYS = [
     "dataset",
     "overrides",
     "test_metrics",
+    "test_utterances",
     "collapsed",
     "tested_checkpoint",
     "valid_metrics",
