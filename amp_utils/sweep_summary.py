@@ -31,7 +31,7 @@ from amp_utils.atomic import atomic_path, atomic_write_text
 from amp_utils.distributed import launch_rank
 from amp_utils.interruption import run_phase
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults, metric_label
-from amp_utils.sweep_keys import MULTIRUN_FILE, precision_first, swept_keys
+from amp_utils.sweep_keys import MULTIRUN_FILE, item_key, precision_first, swept_keys
 from amp_utils.tensorboard import TENSORBOARD_DIR, write_sweep_experiment
 
 log = logging.getLogger(__name__)
@@ -373,7 +373,7 @@ def seeds_markdown(runs: list[dict[str, Any]]) -> str:
         if results is None or seed is None:
             continue
         others = tuple(
-            o for o in _non_precision_overrides(run["overrides"]) if not o.startswith("seed=")
+            o for o in _non_precision_overrides(run["overrides"]) if item_key(o) != "seed"
         )
         key = (str(results.model), str(results.data), str(results.device), others)
         groups.setdefault((*key, precision_label(results)), {})[seed] = results

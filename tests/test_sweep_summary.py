@@ -311,8 +311,9 @@ def test_held_out_speakers_over_seeds_get_a_table_per_seed(tmp_path: Path) -> No
     assert "| mean of 2 | 15.00 | 32.00 |" in per_seed[1]
 
 
+@pytest.mark.parametrize("seed_key", ["seed", "++seed", "+seed"])
 def test_a_sweep_over_seeds_gets_means_spreads_and_paired_differences_from_fp32(
-    tmp_path: Path,
+    tmp_path: Path, seed_key: str
 ) -> None:
     """``-m precision=fp32,bf16 seed=1,2,3``: per precision the mean and min-max over seeds,
     and bf16 minus fp32 seed by seed (its mean first); a failed run and a single-seed group
@@ -321,7 +322,7 @@ def test_a_sweep_over_seeds_gets_means_spreads_and_paired_differences_from_fp32(
     index = 0
     for precision, values in cers.items():
         for seed, cer in zip((1, 2, 3), values, strict=True):
-            overrides = [f"precision={precision}", f"seed={seed}"]
+            overrides = [f"precision={precision}", f"{seed_key}={seed}"]  # ++seed: forced
             results = _results(precision, overrides, CER=cer, WER=2 * cer, loss=0.1)
             _write_job(tmp_path, f"{index}_precision={precision},seed={seed}", overrides, results)
             index += 1
