@@ -494,9 +494,9 @@ def choose_sweep_job_folder(
         )
 
     for folder in folders:  # 1.
-        if multirun is not None and claims[folder] == (multirun, num):
-            if recorded[folder] is None or continues(folder):
-                return folder.name
+        taken = multirun is not None and claims[folder] == (multirun, num)
+        if taken and (recorded[folder] is None or continues(folder)):
+            return folder.name
     natural = f"{num}_{name}"
     matching = [f for f in folders if not taken_by_another(f) and continues(f)]  # 2.
     if matching:
