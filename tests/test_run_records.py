@@ -256,18 +256,20 @@ time.sleep(60)
 def test_a_sweep_job_refused_for_other_overrides_leaves_the_finished_runs_config_alone(
     tmp_path: Path, fsdd_root: Path
 ) -> None:
-    """A sweep run again into its folder with another fixed value (``model.lr``) lands in
-    the finished jobs' folders and is refused there. Hydra wrote the refused command's
-    ``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` over the finished run's
-    before the job could refuse: the run's record then said it trained with the other
-    learning rate. The refused job may add why to ``train.log``; the config record and the
-    results stay as they were."""
+    """A sweep run again into its folder with another fixed value (``model.lr``) and a
+    job folder named by the job number alone (``hydra.sweep.subdir=job${hydra.job.num}``;
+    the default subdir gives such a job a new folder) lands in the finished jobs' folders
+    and is refused there. Hydra wrote the refused command's ``.hydra/config.yaml``,
+    ``hydra.yaml`` and ``overrides.yaml`` over the finished run's before the job could
+    refuse: the run's record then said it trained with the other learning rate. The
+    refused job may add why to ``train.log``; the config record and the results stay as
+    they were."""
     sweep_dir = tmp_path / "sweep"
     args = ["-m", *TINY, "precision=choice(fp32)", f"data.prepared_dir={tmp_path / 'prepared'}"]
-    args += [f"hydra.sweep.dir={sweep_dir}"]
+    args += [f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir=job${hydra.job.num}"]
     first = run_train(fsdd_root, args)
     assert first.returncode == 0, first.stderr[-3000:]
-    job = sweep_dir / "0_precision=fp32"
+    job = sweep_dir / "job0"
     kept = [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"]
     kept += ["config_resolved.yaml", "run_overrides.yaml", "results.json", "test_errors.md"]
     before = {name: (job / name).read_bytes() for name in kept}
