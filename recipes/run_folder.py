@@ -580,10 +580,11 @@ def sweep_job_folder(num: Any, name: str, *, _root_: DictConfig) -> str:
         existed = (sweep_dir / folder).is_dir()
         if launch_rank() == 0 and multirun is not None:  # taken: no other job picks it
             JobStatus(sweep_dir / folder / JOB_STATUS_FILE, multirun, number).write("running")
-    if existed and folder != natural:
-        logger.info("Sweep job %d goes into %s: its configuration's folder", number, folder)
-    elif folder != natural:
-        logger.info("Sweep job %d gets a new folder, %s (%s is taken)", number, folder, natural)
+    if launch_rank() == 0 and folder != natural:  # said once (DDP ranks follow rank 0)
+        if existed:
+            logger.info("Sweep job %d goes into %s: its configuration's folder", number, folder)
+        else:
+            logger.info("Sweep job %d gets a new folder, %s (%s is taken)", number, folder, natural)
     _chosen_job_folders[key] = folder
     return folder
 
