@@ -85,7 +85,7 @@ def on_cuda(device_name: str) -> bool:
 
 def register_resolvers() -> None:
     """Register ``${run_name:...}`` (overrides as a folder name), ``${sweep_job_name:...}``,
-    ``${on_cuda:...}`` and ``${config_help:}``."""
+    ``${sweep_job_folder:...}``, ``${on_cuda:...}`` and ``${config_help:}``."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver(
             "run_name", lambda overrides: (overrides or "default").replace("/", "_")
@@ -94,6 +94,12 @@ def register_resolvers() -> None:
         # ${sweep_job_name:${hydra.sweep.dir},${hydra.job.override_dirname}}: a sweep job's
         # folder (TensorBoard run) named by the keys the sweep varies.
         OmegaConf.register_new_resolver("sweep_job_name", sweep_job_name)
+    if not OmegaConf.has_resolver("sweep_job_folder"):
+        # ${sweep_job_folder:${hydra.job.num},NAME}: a sweep job's folder, the one of an
+        # earlier job of its overrides in the same sweep folder if there is one.
+        from recipes.run_folder import sweep_job_folder  # run_folder imports this module
+
+        OmegaConf.register_new_resolver("sweep_job_folder", sweep_job_folder)
     if not OmegaConf.has_resolver("on_cuda"):
         # ${on_cuda:${device.name}}: whether the run trains on a CUDA GPU (fast_path=auto).
         OmegaConf.register_new_resolver("on_cuda", on_cuda)

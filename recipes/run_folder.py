@@ -28,6 +28,7 @@ import json
 import logging
 import logging.handlers
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -89,19 +90,48 @@ def _parsed_overrides(overrides: Sequence[str], exclude_keys: Collection[str]) -
     return parsed
 
 
+def _override_list(path: Path) -> list[str] | None:
+    """The list of overrides saved in the YAML file ``path``; None if it is missing, cannot
+    be read or holds no list."""
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(path))
+    except (OSError, ValueError):
+        return None
+    return [str(item) for item in saved] if isinstance(saved, list) else None
+
+
 def recorded_overrides(run_dir: Path) -> list[str] | None:
     """The overrides of the run in ``run_dir``: ``run_overrides.yaml``, else (a run from
     before that file) its ``results.json``'s; None when the folder records none."""
+    recorded = _override_list(run_dir / RUN_OVERRIDES_FILE)
+    if recorded is not None:
+        return recorded
     try:
-        recorded = OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES_FILE))
+        from_results = RunResults.read(run_dir / RESULTS_FILE).overrides
     except (OSError, ValueError):
-        recorded = None
-    if recorded is None:
-        try:
-            recorded = RunResults.read(run_dir / RESULTS_FILE).overrides
-        except (OSError, ValueError):
-            return None
-    return [str(item) for item in recorded] if isinstance(recorded, list) else None
+        return None
+    return [str(item) for item in from_results] if isinstance(from_results, list) else None
+
+
+def override_differences(
+    recorded: Sequence[str], overrides: Sequence[str], exclude_keys: Collection[str]
+) -> list[str]:
+    """``"key: value there, value now"`` for each key whose parsed value differs between
+    the ``recorded`` overrides and ``overrides`` (``exclude_keys`` and Hydra's own keys left
+    out); empty when they describe the same run."""
+    there = _parsed_overrides(recorded, exclude_keys)
+    now = _parsed_overrides(overrides, exclude_keys)
+    return [
+        f"{key}: {_shown(there, key)} there, {_shown(now, key)} now"
+        for key in sorted(there.keys() | now.keys())
+        if there.get(key, _UNSET) != now.get(key, _UNSET)
+    ]
+
+
+def resume_excludes(exclude_keys: Collection[str]) -> set[str]:
+    """The keys a resumed run may change: those left out of folder names
+    (``exclude_keys``) and ``MAY_CHANGE_ON_RESUME``."""
+    return {*exclude_keys, *MAY_CHANGE_ON_RESUME}
 
 
 def check_run_overrides(
@@ -112,8 +142,10 @@ def check_run_overrides(
     A run folder is named after its overrides (``hydra.job.override_dirname``), so two
     commands that share one differ only in ``exclude_keys`` (``trainer.epochs`` and the
     like). A fixed folder (``hydra.run.dir=PATH``, or a sweep run again into the same
-    ``hydra.sweep.dir`` with other fixed values) breaks that: the run would resume another
-    configuration's checkpoint, or its finished results would be reported as this one's.
+    ``hydra.sweep.dir`` with its own ``hydra.sweep.subdir``) breaks that: the run would
+    resume another configuration's checkpoint, or its finished results would be reported
+    as this one's. (The default sweep subdir, ``sweep_job_folder``, never picks such a
+    folder.)
 
     Raises:
         ConfigError: naming each key whose value differs, and the fix.
@@ -121,14 +153,7 @@ def check_run_overrides(
     recorded = recorded_overrides(run_dir)
     if recorded is None:
         return
-    exclude_keys = {*exclude_keys, *MAY_CHANGE_ON_RESUME}
-    there = _parsed_overrides(recorded, exclude_keys)
-    now = _parsed_overrides(overrides, exclude_keys)
-    differences = [
-        f"{key}: {_shown(there, key)} there, {_shown(now, key)} now"
-        for key in sorted(there.keys() | now.keys())
-        if there.get(key, _UNSET) != now.get(key, _UNSET)
-    ]
+    differences = override_differences(recorded, overrides, resume_excludes(exclude_keys))
     if differences:
         raise ConfigError(
             f"The run folder {run_dir} holds a run of other overrides ({'; '.join(differences)})."
@@ -289,7 +314,9 @@ class RunFolderCallback(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         """A sweep job: write the ``.hydra/`` files Hydra was told not to write
         (``_take_sweep_job_hydra_files``), unless the job folder holds a run of other
-        overrides, which the job refuses: that run's record stays its own."""
+        overrides, which the job refuses, or a finished run, which the job reports: that
+        run's record stays as it is (a sweep run again with its values in another order
+        gives the job another number and other sweep overrides in ``hydra.yaml``)."""
         subdir = _sweep_job_output_subdir(config)
         if subdir is None:
             return
@@ -301,8 +328,9 @@ class RunFolderCallback(Callback):
         except ConfigError:
             return  # train() refuses the job and says why in train.log
         task_cfg = _task_config(config)
-        if finished_results(run_dir, task_cfg.trainer) is None:  # to be trained (further)
-            keep_finished_record(run_dir, subdir)  # before .hydra/ becomes the longer run's
+        if finished_results(run_dir, task_cfg.trainer) is not None:
+            return  # train() says it has finished
+        keep_finished_record(run_dir, subdir)  # trained further: before .hydra/ is the longer run's
         write_hydra_files(run_dir, subdir, task_cfg, config.hydra)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -477,6 +505,166 @@ def keep_finished_record(run_dir: Path, hydra_subdir: str | None) -> Path | None
         copy_dir,
     )
     return copy_dir
+
+
+#: A sweep job folder's name: its number, "_", its name (``sweep_job_folder``).
+_NUMBERED_FOLDER = re.compile(r"(\d+)_")
+#: The folder each sweep job of this process was given: (sweep folder, multirun, job
+#: number, overrides) -> folder name, so that resolving ``hydra.sweep.subdir`` again gives
+#: the same folder once the job has made it.
+_chosen_job_folders: dict[tuple[str, str | None, int, tuple[str, ...]], str] = {}
+
+
+def job_folder_overrides(job_dir: Path) -> list[str] | None:
+    """The overrides a sweep job folder records: its run's (``recorded_overrides``), else
+    the ``.hydra/overrides.yaml`` its job wrote when it started (a job refused or killed
+    before its run was accepted); None when it records none."""
+    recorded = recorded_overrides(job_dir)
+    if recorded is not None:
+        return recorded
+    subdir = os.environ.get(SWEEP_OUTPUT_SUBDIR_ENV, ".hydra")
+    return _override_list(job_dir / subdir / "overrides.yaml")
+
+
+def _folder_number(folder: Path) -> int | None:
+    match = _NUMBERED_FOLDER.match(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def choose_sweep_job_folder(
+    sweep_dir: Path,
+    num: int,
+    name: str,
+    overrides: Sequence[str],
+    exclude_keys: Collection[str],
+    multirun: str | None,
+) -> str:
+    """The folder (a name in ``sweep_dir``) of sweep job ``num`` of ``multirun``, whose
+    command-line overrides are ``overrides`` and whose name is ``name``.
+
+    Hydra numbers a sweep's jobs by their place in the command, so a sweep run again into
+    its folder with fewer, more or reordered values (``-m precision=fp32,bf16``, then
+    ``-m precision=bf16,fp32,fp16``) gave a finished configuration a new folder and trained
+    it again from scratch. In order:
+
+    1. the folder this job already took (resolved again, another DDP rank of it);
+    2. a folder whose recorded overrides (``job_folder_overrides``) this job may continue
+       by ``check_run_overrides``' rule (``exclude_keys`` such as ``trainer.epochs`` may
+       differ): a finished run there is answered "finished", an unfinished one resumes.
+       A folder another job of this multirun took is left to it (``-m trainer.epochs=5,10``
+       keeps two runs). Preferred: the same overrides exactly, then ``{num}_{name}``, then
+       the lowest number;
+    3. a new folder ``{n}_{name}``, ``n`` from ``num`` up, with a number no folder of
+       other overrides (or of another job of this multirun) has.
+    """
+    folders = sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: p.name)
+    recorded = {folder: job_folder_overrides(folder) for folder in folders}
+    claims = {folder: JobStatus.read(folder) for folder in folders}
+
+    def taken_by_another(folder: Path) -> bool:
+        claim_multirun, claim_job = claims[folder]
+        return multirun is not None and claim_multirun == multirun and claim_job != num
+
+    def continues(folder: Path) -> bool:
+        there = recorded[folder]
+        return there is not None and not override_differences(
+            there, overrides, resume_excludes(exclude_keys)
+        )
+
+    for folder in folders:  # 1.
+        taken = multirun is not None and claims[folder] == (multirun, num)
+        if taken and (recorded[folder] is None or continues(folder)):
+            return folder.name
+    natural = f"{num}_{name}"
+    matching = [f for f in folders if not taken_by_another(f) and continues(f)]  # 2.
+    if matching:
+        return min(
+            matching,
+            key=lambda f: (
+                bool(override_differences(recorded[f], overrides, ())),
+                f.name != natural,
+                _folder_number(f) is None,
+                _folder_number(f) or 0,
+                f.name,
+            ),
+        ).name
+    by_number: dict[int, list[Path]] = {}
+    for folder in folders:
+        number = _folder_number(folder)
+        if number is not None:
+            by_number.setdefault(number, []).append(folder)
+    number = num  # 3.
+    while True:
+        candidate = f"{number}_{name}"
+        if all(
+            f.name == candidate and recorded[f] is None and not taken_by_another(f)
+            for f in by_number.get(number, [])
+        ):
+            return candidate
+        number += 1
+
+
+@contextlib.contextmanager
+def _sweep_folder_locked(sweep_dir: Path):
+    """Hold ``sweep_dir`` (``flock``, waiting for it) while a job picks and takes its folder:
+    jobs started side by side (submitit, joblib) see each other's choices. A filesystem
+    without locks picks without."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        fd = os.open(sweep_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # no locks here: pick without
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def sweep_job_folder(num: Any, name: str, *, _root_: DictConfig) -> str:
+    """The resolver ``${sweep_job_folder:${hydra.job.num},NAME}`` of ``hydra.sweep.subdir``:
+    the folder of this sweep job, ``choose_sweep_job_folder``'s choice.
+
+    Hydra resolves the subdir in the job's own process (``hydra.core.utils.run_job``), just
+    before it makes the folder, so the choice sees the folders earlier jobs made, also those
+    of an earlier sweep into the same ``hydra.sweep.dir``. The job takes its folder at once
+    (its ``job_status.json`` names this multirun and the job number), under a lock on the
+    sweep folder: two jobs running side by side never take the same one. The TensorBoard
+    run is the folder, so it keeps its name too. Outside a multirun job (``--cfg``), or
+    without a job number: ``{num}_{name}``.
+    """
+    hydra = _root_.hydra
+    natural = f"{num}_{name}"
+    number = _job_number(num)
+    mode = OmegaConf.select(hydra, "mode", default=None)
+    if number is None or getattr(mode, "name", str(mode)) != "MULTIRUN":
+        return natural
+    sweep_dir = Path(str(hydra.sweep.dir)).absolute()
+    overrides = [str(item) for item in hydra.overrides.task]
+    multirun = this_multirun(sweep_dir)
+    key = (str(sweep_dir), multirun, number, tuple(overrides))
+    if key in _chosen_job_folders:
+        return _chosen_job_folders[key]
+    if not sweep_dir.is_dir():
+        return natural
+    with _sweep_folder_locked(sweep_dir):
+        folder = choose_sweep_job_folder(
+            sweep_dir, number, name, overrides, override_dirname_excludes(hydra), multirun
+        )
+        existed = (sweep_dir / folder).is_dir()
+        if launch_rank() == 0 and multirun is not None:  # taken: no other job picks it
+            JobStatus(sweep_dir / folder / JOB_STATUS_FILE, multirun, number).write("running")
+    if launch_rank() == 0 and folder != natural:  # said once (DDP ranks follow rank 0)
+        if existed:
+            logger.info("Sweep job %d goes into %s: its configuration's folder", number, folder)
+        else:
+            logger.info("Sweep job %d gets a new folder, %s (%s is taken)", number, folder, natural)
+    _chosen_job_folders[key] = folder
+    return folder
 
 
 def holds_training_run(run_dir: Path) -> bool:
@@ -761,6 +949,7 @@ class JobStatus:
 
     path: Path | None
     multirun: str | None
+    job: int | None = None  # the job's number in its multirun (``hydra.job.num``)
 
     @classmethod
     def for_this_job(cls) -> JobStatus:
@@ -773,24 +962,54 @@ class JobStatus:
         if launch_rank() != 0:
             return cls(None, None)
         hydra_cfg = HydraConfig.get()
-        multirun = os.environ.get(MULTIRUN_ID_ENV)  # this process's multirun (or its parent's)
-        if multirun is None:  # a launcher that does not pass the environment on
-            try:
-                multirun = (Path(hydra_cfg.sweep.dir) / MULTIRUN_ID_FILE).read_text().strip()
-            except OSError:
-                multirun = None
-        return cls(Path(hydra_cfg.runtime.output_dir) / JOB_STATUS_FILE, multirun)
+        return cls(
+            Path(hydra_cfg.runtime.output_dir) / JOB_STATUS_FILE,
+            this_multirun(Path(hydra_cfg.sweep.dir)),
+            _job_number(hydra_cfg.job.get("num")),
+        )
+
+    @classmethod
+    def read(cls, job_dir: Path) -> tuple[str | None, int | None]:
+        """The multirun and job number a job folder's ``job_status.json`` names (None, None
+        when it has none)."""
+        try:
+            record = json.loads((job_dir / JOB_STATUS_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None, None
+        if not isinstance(record, dict):
+            return None, None
+        return record.get("multirun") or None, _job_number(record.get("job"))
 
     def write(self, status: str, error: str | None = None) -> None:
         """Record ``status`` (atomically; a status that cannot be written is a warning)."""
         if self.path is None:
             return
-        record = {"multirun": self.multirun, "status": status, "error": error}
+        record = {"multirun": self.multirun, "job": self.job, "status": status, "error": error}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path, json.dumps(record, indent=2) + "\n")
         except OSError as err:
             logger.warning("Cannot write %s: %s", self.path, err)
+
+
+def _job_number(value: Any) -> int | None:
+    """A job number (``hydra.job.num``) as an int; None if it is not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def this_multirun(sweep_dir: Path) -> str | None:
+    """The id of the multirun this process runs a job of (``SweepSummaryCallback``): from
+    the environment, which local, submitit and SLURM jobs inherit, else the one its rank 0
+    wrote into the sweep folder. A DDP rank other than 0 under ``torchrun -m`` began a
+    multirun of its own (an id only it knows): it takes its rank 0's, from the folder."""
+    from_env = os.environ.get(MULTIRUN_ID_ENV) or None
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if from_env is not None and (launch_rank() == 0 or not under_torchrun):
+        return from_env
+    try:
+        return (sweep_dir / MULTIRUN_ID_FILE).read_text().strip() or from_env
+    except OSError:
+        return from_env
 
 
 def hydra_task_overrides() -> list[str] | None:

@@ -256,18 +256,20 @@ time.sleep(60)
 def test_a_sweep_job_refused_for_other_overrides_leaves_the_finished_runs_config_alone(
     tmp_path: Path, fsdd_root: Path
 ) -> None:
-    """A sweep run again into its folder with another fixed value (``model.lr``) lands in
-    the finished jobs' folders and is refused there. Hydra wrote the refused command's
-    ``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` over the finished run's
-    before the job could refuse: the run's record then said it trained with the other
-    learning rate. The refused job may add why to ``train.log``; the config record and the
-    results stay as they were."""
+    """A sweep run again into its folder with another fixed value (``model.lr``) and a
+    job folder named by the job number alone (``hydra.sweep.subdir=job${hydra.job.num}``;
+    the default subdir gives such a job a new folder) lands in the finished jobs' folders
+    and is refused there. Hydra wrote the refused command's ``.hydra/config.yaml``,
+    ``hydra.yaml`` and ``overrides.yaml`` over the finished run's before the job could
+    refuse: the run's record then said it trained with the other learning rate. The
+    refused job may add why to ``train.log``; the config record and the results stay as
+    they were."""
     sweep_dir = tmp_path / "sweep"
     args = ["-m", *TINY, "precision=choice(fp32)", f"data.prepared_dir={tmp_path / 'prepared'}"]
-    args += [f"hydra.sweep.dir={sweep_dir}"]
+    args += [f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir=job${hydra.job.num}"]
     first = run_train(fsdd_root, args)
     assert first.returncode == 0, first.stderr[-3000:]
-    job = sweep_dir / "0_precision=fp32"
+    job = sweep_dir / "job0"
     kept = [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"]
     kept += ["config_resolved.yaml", "run_overrides.yaml", "results.json", "test_errors.md"]
     before = {name: (job / name).read_bytes() for name in kept}
@@ -329,3 +331,57 @@ def test_a_diagnosis_pointed_at_a_training_run_folder_is_refused_and_changes_not
     assert refused.returncode == 1, refused.stderr[-3000:]
     assert "holds a training run" in refused.stderr
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def _job_files(sweep_dir: Path) -> dict[str, bytes]:
+    """Every file of the sweep's job folders by path, but the job's record of its latest
+    attempt (``job_status.json``), which each multirun that launches the job rewrites."""
+    return {
+        str(p.relative_to(sweep_dir)): p.read_bytes()
+        for p in sorted(sweep_dir.glob("*_*/**/*"))
+        if p.is_file() and p.name != "job_status.json"
+    }
+
+
+def _summary_runs(sweep_dir: Path) -> dict[str, str]:
+    """``run -> status`` of the sweep's ``summary.csv``."""
+    import csv
+
+    with open(sweep_dir / "summary.csv", newline="") as file:
+        return {row["run"]: row["status"] for row in csv.DictReader(file)}
+
+
+def test_a_sweep_run_again_with_other_values_reuses_the_finished_jobs_folders(
+    tmp_path: Path, fsdd_root: Path
+) -> None:
+    """A sweep's job folders were numbered by the job's place in the command
+    (``hydra.job.num``): ``-m precision=fp32,bf16`` and then ``-m precision=fp16,bf16,fp32``
+    into the same ``hydra.sweep.dir`` trained fp32 and bf16 again from scratch, in
+    ``1_precision=bf16`` (over the earlier fp32 job's number) and ``2_precision=fp32``. A
+    job whose overrides are those of a folder of the sweep goes into that folder (its
+    finished run says so and changes nothing); a new one gets a number no folder has. The
+    summary lists this command's configs, each from its folder, and not the earlier ones
+    the command left out."""
+    sweep_dir = tmp_path / "sweep"
+    common = [*TINY, f"data.prepared_dir={tmp_path / 'prepared'}", f"hydra.sweep.dir={sweep_dir}"]
+    first = run_train(fsdd_root, ["-m", "precision=fp32,bf16", *common])
+    assert first.returncode == 0, first.stderr[-3000:]
+    finished = _job_files(sweep_dir)
+    assert {name.split("/")[0] for name in finished} == {"0_precision=fp32", "1_precision=bf16"}
+
+    again = run_train(fsdd_root, ["-m", "precision=fp16,bf16,fp32", *common])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("This run has finished") == 2, again.stdout[-3000:]
+    now = _job_files(sweep_dir)
+    assert {name: now.get(name) for name in finished} == finished  # not retrained, byte for byte
+    jobs = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+    assert jobs == ["0_precision=fp32", "1_precision=bf16", "2_precision=fp16"]
+    assert (sweep_dir / "2_precision=fp16" / "results.json").is_file()
+    assert (sweep_dir / "2_precision=fp16" / "tb").is_dir()  # its TensorBoard run: its folder
+    assert _summary_runs(sweep_dir) == dict.fromkeys(jobs, "ok")
+
+    fewer = run_train(fsdd_root, ["-m", "precision=bf16", *common])
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert "This run has finished" in fewer.stdout
+    assert _job_files(sweep_dir) == now
+    assert _summary_runs(sweep_dir) == {"1_precision=bf16": "ok"}  # this command's config only
