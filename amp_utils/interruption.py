@@ -186,7 +186,7 @@ class MidEpochCheckpointPolicy:
 
 #: How to resume, the last sentence of :func:`interrupted_error`'s message; a caller that
 #: knows the command needs more to land in the same folder replaces it (a ``-m`` sweep
-#: whose folder is named by the clock: ``recipes/run_folder.py``).
+#: whose folder is named by the clock: ``recipes/sweep_jobs.py``).
 RESUME_HINT = "Run the same command again to resume where it stopped."
 
 

@@ -76,7 +76,7 @@ def sweep_job_name(sweep_dir: str, override_dirname: str) -> str:
 
     ``precision=bf16`` for ``-m precision=fp32,bf16 device=cpu``; every override
     (``precision=bf16,device=cpu``) when the swept keys are unknown or none of them is in
-    this job's overrides. The folder prefixes a number (``recipes.run_folder.sweep_job_folder``),
+    this job's overrides. The folder prefixes a number (``recipes.sweep_jobs.sweep_job_folder``),
     so names stay unique.
     """
     items = override_items(override_dirname)

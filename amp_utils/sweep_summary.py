@@ -159,7 +159,7 @@ def _sort_key(run: dict[str, Any]) -> tuple:
 
 
 def _job_status(job_dir: Path) -> dict[str, Any]:
-    """A job folder's ``job_status.json`` (``recipes/run_folder.py``), ``{}`` if none."""
+    """A job folder's ``job_status.json`` (``recipes/sweep_jobs.py``), ``{}`` if none."""
     try:
         status = json.loads((job_dir / JOB_STATUS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -25,11 +25,12 @@ from recipes.benchmarking import (
     step_graph_notes,
     summarize,
 )
-from recipes.config import exit_on_unknown_override_keys, register_resolvers, validate_config
+from recipes.config import exit_on_unknown_override_keys, validate_config
 from recipes.data_setup import DataBundle, build_data
 from recipes.experiment import build_brain, device_name, seed_everything
 from recipes.modules import build_modules
 from recipes.preflight import USER_ERRORS, run_options
+from recipes.resolvers import register_resolvers
 from recipes.schema import BenchmarkRunConfig, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")

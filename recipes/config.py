@@ -32,7 +32,6 @@ from amp_utils.distributed import BACKENDS
 from amp_utils.module_precision import apply_fp32_modules
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name, resolve_device
 from amp_utils.run_options import CHECKPOINT_WRITES
-from amp_utils.sweep_keys import sweep_job_name
 from recipes.asr.decoding import DECODERS
 from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
@@ -81,31 +80,6 @@ def on_cuda(device_name: str) -> bool:
     if name == "auto":
         return resolve_device(name).type == "cuda"
     return name.startswith("cuda")  # named: the run fails clearly if there is none
-
-
-def register_resolvers() -> None:
-    """Register ``${run_name:...}`` (overrides as a folder name), ``${sweep_job_name:...}``,
-    ``${sweep_job_folder:...}``, ``${on_cuda:...}`` and ``${config_help:}``."""
-    if not OmegaConf.has_resolver("run_name"):
-        OmegaConf.register_new_resolver(
-            "run_name", lambda overrides: (overrides or "default").replace("/", "_")
-        )
-    if not OmegaConf.has_resolver("sweep_job_name"):
-        # ${sweep_job_name:${hydra.sweep.dir},${hydra.job.override_dirname}}: a sweep job's
-        # folder (TensorBoard run) named by the keys the sweep varies.
-        OmegaConf.register_new_resolver("sweep_job_name", sweep_job_name)
-    if not OmegaConf.has_resolver("sweep_job_folder"):
-        # ${sweep_job_folder:${hydra.job.num},NAME}: a sweep job's folder, the one of an
-        # earlier job of its overrides in the same sweep folder if there is one.
-        from recipes.run_folder import sweep_job_folder  # run_folder imports this module
-
-        OmegaConf.register_new_resolver("sweep_job_folder", sweep_job_folder)
-    if not OmegaConf.has_resolver("on_cuda"):
-        # ${on_cuda:${device.name}}: whether the run trains on a CUDA GPU (fast_path=auto).
-        OmegaConf.register_new_resolver("on_cuda", on_cuda)
-    if not OmegaConf.has_resolver("config_help"):
-        # Hydra's help template goes through string.Template: "$" must be doubled.
-        OmegaConf.register_new_resolver("config_help", lambda: config_help().replace("$", "$$"))
 
 
 def _comments(path: Path) -> tuple[str, dict[str, str]]:

@@ -49,12 +49,12 @@ from amp_utils.tensorboard import TensorBoardLogger
 from recipes.config import (
     ConfigError,
     exit_on_unknown_override_keys,
-    register_resolvers,
     validate_config,
 )
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain, seed_everything
 from recipes.preflight import USER_ERRORS, run_options
+from recipes.resolvers import register_resolvers
 from recipes.schema import DiagnoseRunConfig, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")

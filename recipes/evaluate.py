@@ -28,12 +28,12 @@ from amp_utils import resolve_device
 from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.interruption import run_phase, signals_held
 from recipes.audio_brain import LEGACY_AVERAGE_FROM, format_metrics
-from recipes.config import register_resolvers
 from recipes.data_setup import build_data
 from recipes.error_report import error_report
 from recipes.experiment import build_brain
 from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir
 from recipes.preflight import USER_ERRORS, preflight, run_options
+from recipes.resolvers import register_resolvers
 from recipes.task import LEGACY_BEAM_SIZE, LEGACY_DECODER
 from recipes.tasks import task_for
 

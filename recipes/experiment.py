@@ -52,9 +52,8 @@ from recipes.data_setup import DataBundle, build_data
 from recipes.error_report import TEST_ERRORS_FILE, error_report, find_collapse
 from recipes.modules import build_modules
 from recipes.preflight import preflight, run_options
-from recipes.run_folder import (
-    LABELS_FILE,
-    RunFolder,
+from recipes.run_folder import LABELS_FILE, RunFolder
+from recipes.run_overrides import (
     check_run_overrides,
     finished_message,
     finished_results,

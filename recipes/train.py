@@ -18,10 +18,11 @@ import hydra
 from omegaconf import DictConfig
 
 from amp_utils.interruption import run_phase
-from recipes.config import exit_on_unknown_override_keys, register_resolvers
+from recipes.config import exit_on_unknown_override_keys
 from recipes.experiment import sweep_objective, train
-from recipes.run_folder import resume_hint, run_job
+from recipes.resolvers import register_resolvers
 from recipes.schema import Config, register_schemas
+from recipes.sweep_jobs import resume_hint, run_job
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_resolvers()
@@ -36,7 +37,7 @@ def main(cfg: DictConfig) -> float | None:
     In a ``-m`` sweep a job that fails (bad input, a diverged loss, a bug) ends alone: its
     folder keeps the error, the sweep goes on with the other jobs, the summary lists it as
     failed and the sweep exits with status 1; a sweeper gets the worst value for its
-    direction (``run_folder.failed_job_value``), and the search goes on.
+    direction (``sweep_jobs.failed_job_value``), and the search goes on.
     """
     return run_job(lambda: sweep_objective(cfg, train(cfg)))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from recipes.config import register_resolvers
+from recipes.resolvers import register_resolvers
 from recipes.schema import register_schemas
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

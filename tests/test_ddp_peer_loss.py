@@ -45,7 +45,7 @@ def _rank(rank: int, port: int, tmp: str) -> None:
             dist.all_reduce(torch.ones(4))
         os._exit(0)  # as a killed process: no goodbye to the group
 
-    from recipes.run_folder import run_job
+    from recipes.sweep_jobs import run_job
 
     log_file = Path(tmp) / "train.log"
     logging.getLogger().addHandler(logging.FileHandler(log_file))

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
-from recipes.config import register_resolvers
+from recipes.resolvers import register_resolvers
 from recipes.schema import register_schemas
 from tests.recipe_helpers import CONF_DIR, FAST, run_cli
 from tests.test_recipes import prepared_digits  # noqa: F401 - session fixture

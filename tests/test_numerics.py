@@ -580,8 +580,8 @@ def diagnose_recipe(tmp_path, fsdd_root, precision: str, *extra: str):
     """recipes/diagnose.py's ``diagnose`` on the real config: ASR, 2 small FSDD batches."""
     from hydra import compose, initialize_config_dir
 
-    from recipes.config import register_resolvers
     from recipes.diagnose import diagnose
+    from recipes.resolvers import register_resolvers
     from recipes.schema import register_schemas
     from tests.recipe_helpers import CONF_DIR, FAST
 
@@ -726,8 +726,8 @@ def test_documented_diagnose_commands_compose_and_validate():
     """Every ``recipes/diagnose.py`` command of README.md and docs/*.md composes."""
     from hydra import compose, initialize_config_dir
 
-    from recipes.config import register_resolvers
     from recipes.diagnose import training_config
+    from recipes.resolvers import register_resolvers
     from recipes.schema import register_schemas
     from tests.recipe_helpers import CONF_DIR
     from tests.test_readme import documented_commands
@@ -759,8 +759,9 @@ def test_documented_diagnose_commands_compose_and_validate():
 def test_bad_diagnose_values_fail_before_any_work(override, message):
     from hydra import compose, initialize_config_dir
 
-    from recipes.config import ConfigError, register_resolvers
+    from recipes.config import ConfigError
     from recipes.diagnose import training_config
+    from recipes.resolvers import register_resolvers
     from tests.recipe_helpers import CONF_DIR
 
     register_resolvers()

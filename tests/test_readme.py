@@ -68,7 +68,8 @@ def test_every_documented_train_command_composes_and_validates():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from recipes.config import register_resolvers, validate_config
+    from recipes.config import validate_config
+    from recipes.resolvers import register_resolvers
     from recipes.schema import register_schemas
     from tests.recipe_helpers import CONF_DIR
 

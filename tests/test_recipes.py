@@ -1092,7 +1092,7 @@ def one_epoch_fp32_sweep(prepared: Path, sweep: Path) -> list[str]:
 def test_check_run_overrides_compares_values_and_their_kind(tmp_path):
     """~key is not key=null, true is not 1; 1e-3 is 0.001; a run trained from code (no
     overrides recorded: results.json's overrides null) is not checked."""
-    from recipes.run_folder import RUN_OVERRIDES_FILE, check_run_overrides
+    from recipes.run_overrides import RUN_OVERRIDES_FILE, check_run_overrides
 
     def record(*overrides: str) -> None:
         OmegaConf.save(OmegaConf.create(list(overrides)), tmp_path / RUN_OVERRIDES_FILE)
@@ -1174,7 +1174,7 @@ def test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback(monkeypatch, cap
     the job's log; outside a sweep it propagates, bad input exits with one line, and a
     signal's TrainingInterrupted ends the sweep too (it is resumed as a whole)."""
     from amp_utils import TrainingInterrupted
-    from recipes import run_folder
+    from recipes import sweep_jobs
 
     def crash() -> float:
         raise RuntimeError("CUDA out of memory")
@@ -1185,20 +1185,20 @@ def test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback(monkeypatch, cap
     def interrupted() -> float:
         raise TrainingInterrupted("Run the same command again to resume")
 
-    monkeypatch.setattr(run_folder, "in_single_process_sweep", lambda: True)
+    monkeypatch.setattr(sweep_jobs, "in_single_process_sweep", lambda: True)
     with caplog.at_level(logging.ERROR):
-        assert math.isnan(run_folder.run_job(crash))
+        assert math.isnan(sweep_jobs.run_job(crash))
     assert (
         "This sweep job failed" in caplog.text and "RuntimeError: CUDA out of memory" in caplog.text
     )
-    assert math.isnan(run_folder.run_job(refused))
+    assert math.isnan(sweep_jobs.run_job(refused))
     with pytest.raises(TrainingInterrupted):
-        run_folder.run_job(interrupted)
-    monkeypatch.setattr(run_folder, "in_single_process_sweep", lambda: False)
+        sweep_jobs.run_job(interrupted)
+    monkeypatch.setattr(sweep_jobs, "in_single_process_sweep", lambda: False)
     with pytest.raises(RuntimeError, match="out of memory"):
-        run_folder.run_job(crash)
+        sweep_jobs.run_job(crash)
     with pytest.raises(SystemExit, match="error: trainer.epochs=0 is not valid"):
-        run_folder.run_job(refused)
+        sweep_jobs.run_job(refused)
 
 
 def hparams_experiment(log_dir: Path):

@@ -16,7 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from amp_utils.sweep_summary import JOB_STATUS_FILE, MULTIRUN_ID_ENV
-from recipes import run_folder
+from recipes import run_folder, sweep_jobs
+from recipes.run_overrides import RUN_OVERRIDES_FILE
 from tests.test_sweep_summary import _multirun_job_config
 
 
@@ -72,7 +73,7 @@ def test_a_sweep_job_is_recorded_finished_only_once_it_has_finished(
         seen.append(json.loads(status_file.read_text())["status"])
         return 0.25
 
-    assert run_folder.run_job(job) == 0.25
+    assert sweep_jobs.run_job(job) == 0.25
     assert seen == ["running"]
     assert json.loads(status_file.read_text()) == {
         "multirun": "this",
@@ -162,7 +163,7 @@ def _finished_job(sweep: Path, folder: str, overrides: list[str], multirun: str,
     job = sweep / folder
     (job / ".hydra").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(overrides), job / ".hydra" / "overrides.yaml")
-    OmegaConf.save(OmegaConf.create(overrides), job / run_folder.RUN_OVERRIDES_FILE)
+    OmegaConf.save(OmegaConf.create(overrides), job / RUN_OVERRIDES_FILE)
     record = {"multirun": multirun, "job": num, "status": "finished", "error": None}
     (job / JOB_STATUS_FILE).write_text(json.dumps(record))
 
@@ -178,7 +179,7 @@ def test_a_sweep_job_goes_into_the_folder_of_its_overrides(tmp_path: Path, monke
     sweep.mkdir()
     _finished_job(sweep, "0_precision=fp32", ["precision=fp32"], "earlier", 0)
     _finished_job(sweep, "1_precision=bf16", ["precision=bf16", "model.lr=1e-3"], "earlier", 1)
-    (sweep / "1_precision=bf16" / run_folder.RUN_OVERRIDES_FILE).unlink()  # refused early
+    (sweep / "1_precision=bf16" / RUN_OVERRIDES_FILE).unlink()  # refused early
     monkeypatch.setenv(MULTIRUN_ID_ENV, "now")
     (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task: [precision=a,b]\n")
 
@@ -187,7 +188,7 @@ def test_a_sweep_job_goes_into_the_folder_of_its_overrides(tmp_path: Path, monke
     assert _job_folder(sweep, 1, ["precision=bf16", "model.lr=0.001"]) == "1_precision=bf16"
     assert _job_folder(sweep, 2, ["precision=fp32"]) == "0_precision=fp32"
     assert _job_folder(sweep, 0, ["precision=fp16"]) == "2_precision=fp16"  # again: the same
-    run_folder._chosen_job_folders.clear()  # another process of the job (a DDP rank)
+    sweep_jobs._chosen_job_folders.clear()  # another process of the job (a DDP rank)
     assert _job_folder(sweep, 0, ["precision=fp16"]) == "2_precision=fp16"
     assert _job_folder(sweep, 3, ["precision=bf16"]) == "3_precision=bf16"  # other overrides
     outside = _sweep_job(sweep, 0, ["precision=fp32"])
@@ -230,14 +231,14 @@ def test_sweep_jobs_started_side_by_side_take_new_folders_of_their_own(
     monkeypatch.setenv(MULTIRUN_ID_ENV, "now")
     for num, precision in enumerate(["fp32", "fp64"]):
         _finished_job(sweep, f"{num}_precision={precision}", [f"precision={precision}"], "x", num)
-    choose = run_folder.choose_sweep_job_folder
+    choose = sweep_jobs.choose_sweep_job_folder
 
     def slow_choice(*args: Any) -> str:
         folder = choose(*args)
         time.sleep(0.5)  # the other job looks meanwhile
         return folder
 
-    monkeypatch.setattr(run_folder, "choose_sweep_job_folder", slow_choice)
+    monkeypatch.setattr(sweep_jobs, "choose_sweep_job_folder", slow_choice)
     jobs = {0: ["precision=fp16"], 1: ["precision=bf16"]}
     configs = {num: _sweep_job(sweep, num, overrides) for num, overrides in jobs.items()}
     chosen: dict[int, str] = {}

@@ -467,7 +467,7 @@ def _multirun_job_config(sweep_dir: Path, job: str):
     from hydra.types import RunMode
     from omegaconf import open_dict, read_write
 
-    from recipes.config import register_resolvers
+    from recipes.resolvers import register_resolvers
     from recipes.schema import register_schemas
 
     register_resolvers()
@@ -489,7 +489,7 @@ def test_two_sweeps_into_one_folder_each_summarize_their_own_jobs(
     their summaries found no run ("_No runs found._", exit 0 though a job failed)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from recipes.run_folder import JobStatus
+    from recipes.sweep_jobs import JobStatus
 
     monkeypatch.setenv(MULTIRUN_ID_ENV, "")
     sweep = tmp_path / "sweep"
