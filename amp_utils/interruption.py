@@ -35,7 +35,47 @@ class TrainingInterrupted(SystemExit):
     """SIGTERM/SIGINT arrived; a checkpoint was saved and the run can be resumed."""
 
 
-class StopSignals:
+class _SignalCatcher:
+    """What :class:`StopSignals` and :class:`RunSignals` share: how a signal counts.
+
+    The first SIGTERM/SIGINT is noted in ``received``; a SIGTERM repeated within
+    ``REPEAT_WINDOW_S`` is the same request; any other second signal raises
+    ``KeyboardInterrupt`` at once. After the first signal SIGCHLD gets its default handling
+    (DataLoader workers ended by a process-group signal are expected, not "killed by
+    signal" errors) until the context restores ``_previous``.
+    """
+
+    #: A repeated SIGTERM this soon after the first is the same request, not a second one:
+    #: under SLURM each rank of a ``torchrun`` job gets the job's SIGTERM and, within
+    #: milliseconds, torchrun's forwarded copy. A second SIGINT (Ctrl-C) always stops.
+    REPEAT_WINDOW_S = 2.0
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the first signal
+        self._received_at = 0.0
+        self._previous: dict[int, Any] = {}  # signal -> the handler to restore
+
+    def _note(self, signum: int) -> bool:
+        """Note ``signum``: True for the first signal, False for a repeat of it.
+
+        Raises:
+            KeyboardInterrupt: a second signal.
+        """
+        if self.received is not None:
+            if (
+                signum == signal.SIGTERM == self.received
+                and time.monotonic() - self._received_at < self.REPEAT_WINDOW_S
+            ):
+                return False
+            raise KeyboardInterrupt
+        self.received = signum
+        self._received_at = time.monotonic()
+        if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
+            self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        return True
+
+
+class StopSignals(_SignalCatcher):
     """Context in which SIGTERM/SIGINT request a checkpoint and a clean exit.
 
     The first signal is remembered in ``received`` (the loop checks it after each step);
@@ -55,16 +95,6 @@ class StopSignals:
     the ranks stop together one batch after the signal).
     """
 
-    #: A repeated SIGTERM this soon after the first is the same request, not a second one:
-    #: under SLURM each rank of a ``torchrun`` job gets the job's SIGTERM and, within
-    #: milliseconds, torchrun's forwarded copy. A second SIGINT (Ctrl-C) always stops.
-    REPEAT_WINDOW_S = 2.0
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._received_at = 0.0
-        self._previous: dict[int, Any] = {}
-
     def __enter__(self) -> StopSignals:
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
@@ -73,18 +103,9 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None:  # second signal: stop now, unless a repeat
-            if (
-                signum == signal.SIGTERM == self.received
-                and time.monotonic() - self._received_at < self.REPEAT_WINDOW_S
-            ):
-                logger.info("SIGTERM again (a forwarded copy): still checkpointing first.")
-                return
-            raise KeyboardInterrupt
-        self.received = signum
-        self._received_at = time.monotonic()
-        if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
-            self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if not self._note(signum):  # a second signal raised; this is a repeat
+            logger.info("SIGTERM again (a forwarded copy): still checkpointing first.")
+            return
         logger.warning("Received signal %d: checkpointing after this batch.", signum)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
@@ -233,7 +254,7 @@ def active_run_signals() -> RunSignals | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-class RunSignals:
+class RunSignals(_SignalCatcher):
     """Context in which SIGTERM/SIGINT stop a run at once with :class:`RunInterrupted`.
 
     For a whole run, outside the epochs: data preparation, the checkpoint load, the test,
@@ -257,16 +278,12 @@ class RunSignals:
             signal comes (a sweep's folder is known only once Hydra set it up).
     """
 
-    REPEAT_WINDOW_S = StopSignals.REPEAT_WINDOW_S
-
     def __init__(
         self, phase: str = "starting the run", hint: str | Callable[[], str] = RESUME_HINT
     ):
+        super().__init__()
         self._phases: list[tuple[str, str | Callable[[], str] | None]] = [(phase, hint)]
-        self._previous: dict[int, Any] = {}
         self._held = 0
-        self.received: int | None = None  # the first signal
-        self._received_at = 0.0
         self._raised = False  # the first signal's exit was raised
 
     def __enter__(self) -> RunSignals:
@@ -288,17 +305,8 @@ class RunSignals:
     def handle(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler: raise :class:`RunInterrupted` now, or at the end of the held
         block; a second signal raises ``KeyboardInterrupt``."""
-        if self.received is not None:
-            if (
-                signum == signal.SIGTERM == self.received
-                and time.monotonic() - self._received_at < self.REPEAT_WINDOW_S
-            ):
-                return
-            raise KeyboardInterrupt
-        self.received = signum
-        self._received_at = time.monotonic()
-        if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
-            self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if not self._note(signum):  # a second signal raised; this is a repeat
+            return
         if self._held:
             logger.warning(
                 "Received %s: stopping once the records being written are whole.",
