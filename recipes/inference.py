@@ -10,7 +10,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import PRECISIONS, AMPConfig, Checkpointer, TorchAutocast, resolve_device
-from amp_utils.precision import check_precision_supported, warn_if_emulated
+from amp_utils.precision import (
+    AUTO,
+    check_precision_supported,
+    resolve_precision,
+    warn_if_emulated,
+)
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
@@ -130,8 +135,16 @@ def load_trained(
     averaged checkpoints for its test, the same average).
 
     ``precision`` None: the precision the run was tested in (:func:`tested_precision`), so
-    that labels come out as the run's test figures were computed.
+    that labels come out as the run's test figures were computed; ``auto``: the fastest
+    precision this device computes natively (as ``precision=auto`` in training).
+
+    Raises:
+        ValueError: ``precision`` is not fp32, fp16, bf16 or auto (named, with the choices).
     """
+    if precision is not None and precision not in (*PRECISIONS, AUTO):
+        raise ValueError(
+            f"precision={precision} is not valid; choose one of: {', '.join(PRECISIONS)}, {AUTO}."
+        )
     run_dir = find_run_dir(path)
     precision = precision or tested_precision(run_dir)
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
@@ -139,7 +152,7 @@ def load_trained(
     labels = RunLabels.from_config(cfg, labels_json["speakers"], labels_json.get("words", ()))
     speakers = labels.speakers
     dev = resolve_device(device)
-    amp = AMPConfig.from_name(precision)
+    amp = AMPConfig.from_name(resolve_precision(precision, dev)[0])
     check_precision_supported(amp, dev)
     warn_if_emulated(amp, dev, key="--precision")  # e.g. a GPU run's bf16 on a CPU without it
     modules = build_modules(cfg, speakers, augment=False)

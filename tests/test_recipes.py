@@ -924,6 +924,26 @@ def test_labelling_in_a_precision_this_cpu_emulates_warns(cli_run, tmp_path, mon
     assert "emulates" not in caplog.text
 
 
+def test_transcribe_precision_auto_works_and_a_wrong_one_is_named(
+    cli_run, fsdd_recordings, monkeypatch
+):
+    """The emulation warning advises ``--precision=auto``, which transcribe.py refused
+    ("Specified autocast mode ('auto') incorrect"); a misspelled precision now names the
+    flag and its choices."""
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset({"bf16"}))
+    assert load_trained(cli_run, device="cpu", precision="auto").amp.name == "bf16"
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    assert load_trained(cli_run, device="cpu", precision="auto").amp.name == "fp32"
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    result = run_cli("transcribe.py", [str(cli_run), wav, "--precision", "auto"], fsdd_recordings)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"{wav}\t")
+    result = run_cli("transcribe.py", [str(cli_run), wav, "--precision", "bf61"], fsdd_recordings)
+    assert result.returncode == 2 and result.stderr == (
+        "error: --precision bf61 is not valid; choose one of: fp32, fp16, bf16, auto.\n"
+    )
+
+
 @pytest.mark.parametrize("skip_hint", [None, "or drop it from the manifest"])
 def test_transcribe_advice_for_a_bad_file_is_about_the_file_given(monkeypatch, tmp_path, skip_hint):
     """Audio errors are written for a dataset (re-run data preparation, data.skip_bad_files);
