@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import sys
 import typing
 import warnings
@@ -364,14 +365,82 @@ def check_option_keys(overrides: Iterable[str], config_name: str) -> None:
             raise ConfigError(_other_options_key(group, key, options, chosen))
 
 
+#: Hydra plugins of the optional extras: (the ``hydra/<group>`` option, its package, the
+#: pip requirement, the extra of ``pyproject.toml`` that installs it).
+OPTIONAL_PLUGINS = {
+    ("hydra/sweeper", "optuna"): (
+        "hydra_plugins.hydra_optuna_sweeper",
+        "hydra-optuna-sweeper==1.2.0",
+        "sweep",
+    ),
+}
+
+
+def _plugin_choices(group: str, option: str) -> list[tuple[str, str]]:
+    """The ``hydra/<group>`` options a command-line choice ``group=option`` selects: the
+    choice itself, or those a preset (``hparams_search=asr_optuna``) overrides."""
+    if group.startswith("hydra/"):
+        return [(group, option)]
+    path = CONF_DIR / group / f"{option}.yaml"
+    if not path.is_file():
+        return []  # Hydra lists the group's options
+    chosen = []
+    for entry in OmegaConf.load(path).get("defaults", []) or []:
+        if isinstance(entry, Mapping):
+            for key, value in entry.items():
+                name = str(key).removeprefix("override ").strip().lstrip("/")
+                if name.startswith("hydra/"):
+                    chosen.append((name, str(value)))
+    return chosen
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` (dotted) can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_optional_plugins(overrides: Iterable[str]) -> None:
+    """Refuse a command line that chooses a Hydra plugin of an optional extra that is not
+    installed (``hparams_search=asr_optuna`` without ``hydra-optuna-sweeper``), naming the
+    install command; Hydra said only "Could not find 'hydra/sweeper/optuna'", with
+    ``basic`` as the one available option.
+
+    Raises:
+        ConfigError: one line naming the choice, the missing package and its extra.
+    """
+    for item, override in _parsed_overrides(overrides):
+        if not _sets_a_value(override) or override.is_sweep_override():
+            continue
+        option = override.value()
+        if not isinstance(option, str):
+            continue
+        for plugin in _plugin_choices(override.key_or_group, option):
+            if plugin not in OPTIONAL_PLUGINS:
+                continue
+            package, requirement, extra = OPTIONAL_PLUGINS[plugin]
+            if _installed(package):
+                continue
+            raise ConfigError(
+                f"{item} needs Hydra's {plugin[1]} plugin ({requirement}), which is not "
+                f'installed in this Python environment. Fix: pip install -e ".[{extra}]" '
+                f"from the repository's folder (or pip install {requirement}), then run the "
+                "command again."
+            )
+
+
 def exit_on_unknown_override_keys(
     root: type, argv: list[str] | None = None, config_name: str | None = None
 ) -> None:
     """An entry point's first step: exit with ``error: <the refusal>`` (status 1, the way
-    the recipes' other user errors exit) if ``check_override_keys`` refuses the command line,
-    or, given the primary ``config_name``, ``check_option_keys``."""
+    the recipes' other user errors exit) if ``check_optional_plugins`` or
+    ``check_override_keys`` refuses the command line, or, given the primary
+    ``config_name``, ``check_option_keys``."""
     args = sys.argv[1:] if argv is None else argv
     try:
+        check_optional_plugins(args)
         check_override_keys(args, root)
         if config_name is not None:
             check_option_keys(args, config_name)

@@ -324,3 +324,27 @@ def test_an_fp32_modules_pattern_that_names_nothing_is_refused_before_data_prepa
     with pytest.raises(UnknownModulePatternError, match="'model.nope' matches no module"):
         train(cfg)
     assert not (tmp_path / "prepared").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "choice", ["hparams_search=asr_optuna", "hparams_search=speaker_optuna", "hydra/sweeper=optuna"]
+)
+def test_a_sweeper_of_an_extra_that_is_not_installed_names_the_install(monkeypatch, choice):
+    """Without hydra-optuna-sweeper (extra ``sweep``), Hydra said only "Could not find
+    'hydra/sweeper/optuna'" and listed ``basic``, not how to get it."""
+    from recipes import config
+
+    monkeypatch.setattr(config, "_installed", lambda package: "optuna" not in package)
+    with pytest.raises(ConfigError) as refusal:
+        config.check_optional_plugins(["-m", "debug=fast", choice])
+    message = str(refusal.value)
+    assert message.startswith(f"{choice} needs Hydra's optuna plugin (hydra-optuna-sweeper")
+    assert 'pip install -e ".[sweep]"' in message and "\n" not in message
+    config.check_optional_plugins(["-m", "hparams_search=nope", "precision=bf16"])  # Hydra's
+    monkeypatch.setattr(config, "_installed", lambda package: True)
+    config.check_optional_plugins(["-m", choice])  # installed: no refusal
+    import tomllib
+
+    extras = tomllib.loads((config.CONF_DIR.parent / "pyproject.toml").read_text())["project"]
+    for _, requirement, extra in config.OPTIONAL_PLUGINS.values():  # the advice installs it
+        assert requirement in extras["optional-dependencies"][extra]
