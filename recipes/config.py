@@ -12,6 +12,7 @@ device string, each refusal one line naming the key and the valid choices.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.util
@@ -30,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.compile import CUDAGRAPH_MODES
 from amp_utils.distributed import BACKENDS
-from amp_utils.module_precision import apply_fp32_modules
+from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name, resolve_device
 from amp_utils.run_options import CHECKPOINT_WRITES
 from amp_utils.sweep_keys import sweep_job_name
@@ -431,13 +432,86 @@ def check_optional_plugins(overrides: Iterable[str]) -> None:
             )
 
 
+def _is_group_choice(override: Override) -> bool:
+    """Whether ``override`` chooses a config group's option (``precision=bf16``,
+    ``hydra/launcher=slurm``) rather than setting a value (``model.lr=0.001``)."""
+    key = override.key_or_group
+    return "/" in key or (CONF_DIR / key).is_dir()
+
+
+def sweep_value_problem(overrides: Iterable[str], config_name: str) -> str | None:
+    """What ``validate_config`` refuses in one of the values a ``-m`` sweep lists, or None.
+
+    Hydra composes every job of a sweep before the first runs, so a value that does not
+    compose (``precision=fp32,bf61``, ``trainer.epochs=1,two``) fails at once; a value that
+    composes but is out of range (``model.lr=0.001,-1``) was refused only when its job came,
+    after the jobs before it had trained. Each listed value (``a,b``, ``choice()``,
+    ``range()``) is checked beside the first value of every other list; intervals, which a
+    sweeper draws from, keep their config value. Only what the config itself decides is
+    checked here: whether the device and its precisions exist is each job's to check, on the
+    machine it runs on (a SLURM node has the GPU the submitting host may lack). A command
+    line that does not compose is left to Hydra, whose message says why.
+
+    Args:
+        overrides: the command line's arguments (``sys.argv[1:]``).
+        config_name: the entry point's primary config (``config``, ``benchmark``, ...).
+    """
+    items = _parsed_overrides(overrides)
+    sweeps: list[tuple[Override, list[str]]] = []  # each list and its values, as text
+    for _, override in items:
+        if override.is_discrete_sweep():
+            try:
+                values = [str(value) for value in override.sweep_string_iterator()]
+            except Exception:  # noqa: BLE001 (e.g. glob(), which needs Hydra's loader)
+                return None
+            if values:
+                sweeps.append((override, values))
+    if not sweeps:
+        return None
+    plain = [item for item, override in items if not override.is_sweep_override()]
+    first = [f"{o.get_key_element()}={values[0]}" for o, values in sweeps]
+    from hydra import compose, initialize_config_dir  # only for a sweep's command line
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return None  # inside a Hydra app (its callbacks check what they need)
+    parser = OverridesParser.create()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        try:
+            base = compose(config_name, overrides=[*plain, *first], return_hydra_config=True)
+        except Exception:  # noqa: BLE001 (Hydra's own run says what does not compose)
+            return None
+        for index, (override, values) in enumerate(sweeps):
+            others = first[:index] + first[index + 1 :]
+            for value in values:
+                text = f"{override.get_key_element()}={value}"
+                try:
+                    if _is_group_choice(override) or not _sets_a_value(override):
+                        cfg = compose(
+                            config_name, overrides=[*plain, *others, text], return_hydra_config=True
+                        )
+                    else:  # a value: set on the composed config (much faster than composing)
+                        cfg = copy.deepcopy(base)
+                        OmegaConf.update(
+                            cfg, override.key_or_group, parser.parse_override(text).value()
+                        )
+                except Exception:  # noqa: BLE001 (does not compose: Hydra reports it)
+                    continue
+                try:
+                    validate_config(cfg)
+                except (ConfigError, UnknownModulePatternError) as err:
+                    return f"the sweep's {text} is refused: {err}"
+    return None
+
+
 def exit_on_unknown_override_keys(
     root: type, argv: list[str] | None = None, config_name: str | None = None
 ) -> None:
     """An entry point's first step: exit with ``error: <the refusal>`` (status 1, the way
     the recipes' other user errors exit) if ``check_optional_plugins`` or
     ``check_override_keys`` refuses the command line, or, given the primary
-    ``config_name``, ``check_option_keys``."""
+    ``config_name``, ``check_option_keys`` or, for a ``-m`` sweep, ``sweep_value_problem``
+    (before any job trains)."""
     args = sys.argv[1:] if argv is None else argv
     try:
         check_optional_plugins(args)
@@ -446,6 +520,12 @@ def exit_on_unknown_override_keys(
             check_option_keys(args, config_name)
     except ConfigError as err:
         sys.exit(f"error: {err}")
+    if config_name is not None and ({"-m", "--multirun"} & set(args)):
+        problem = sweep_value_problem(args, config_name)
+        if problem is not None:
+            sys.exit(
+                f"error: {problem} No job has run: correct the value and start the sweep again."
+            )
 
 
 def _check_augmentation(data_cfg: DictConfig) -> dict[str, torch.nn.Module]:

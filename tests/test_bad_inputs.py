@@ -348,3 +348,38 @@ def test_a_sweeper_of_an_extra_that_is_not_installed_names_the_install(monkeypat
     extras = tomllib.loads((config.CONF_DIR.parent / "pyproject.toml").read_text())["project"]
     for _, requirement, extra in config.OPTIONAL_PLUGINS.values():  # the advice installs it
         assert requirement in extras["optional-dependencies"][extra]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "refusal"),
+    [
+        (["model.lr=0.001,-1"], "the sweep's model.lr=-1 is refused: model.lr=-1.0 is not valid"),
+        (
+            ["model=conformer_ctc,xvector", "data.test_speakers=[theo]"],
+            "the sweep's model=xvector is refused: data.test_speakers cannot be used",
+        ),
+    ],
+)
+def test_a_bad_value_in_a_sweep_list_fails_before_any_job_trains(
+    fsdd_root, tmp_path, sweep, refusal
+):
+    """A value that composes but is out of range was refused only when its job came: the
+    jobs listed before it trained first, then the sweep failed."""
+    sweep_dir = tmp_path / "sweep"
+    err = cli_error(["-m", *FAST, *sweep, f"hydra.sweep.dir={sweep_dir}"], fsdd_root)
+    assert err.startswith(f"error: {refusal}") and err.count("\n") == 1, err[-2000:]
+    assert err.rstrip().endswith("No job has run: correct the value and start the sweep again.")
+    assert not sweep_dir.exists()
+
+
+def test_a_sweep_value_check_leaves_the_device_to_each_job() -> None:
+    """``device=cuda`` is each job's to check on its own machine (a SLURM node has the GPU
+    the submitting host may lack); values Hydra cannot compose are Hydra's to report."""
+    from recipes.config import register_resolvers, sweep_value_problem
+    from recipes.schema import register_schemas
+
+    register_resolvers()
+    register_schemas()
+    assert sweep_value_problem(["-m", "device=cuda", "precision=fp32,bf16"], "config") is None
+    assert sweep_value_problem(["-m", "precision=fp32,bf61"], "config") is None
+    assert sweep_value_problem(["-m", "model.lr=0.001,0.002", "seed=1,2"], "config") is None
