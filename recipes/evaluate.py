@@ -4,7 +4,7 @@ python recipes/evaluate.py RUN_DIR                          # the run's test, re
 python recipes/evaluate.py RUN_DIR model.decoder=lexicon    # re-score with the lexicon decoder
 python recipes/evaluate.py RUN_DIR precision.eval_precision=bf16 --split valid
 python recipes/evaluate.py RUN_DIR model.decoder=greedy --json greedy.json
-python recipes/evaluate.py multirun/DATE/* model.decoder=lexicon  # each job of a sweep; the mean
+python recipes/evaluate.py multirun/DATE model.decoder=lexicon  # each job of a sweep; the mean
 python recipes/evaluate.py RUN_DIR --errors errors.md      # + what it got wrong, and how
 
 It loads the run's resolved config (``config_resolved.yaml``), applies the ``key=value``
@@ -31,7 +31,7 @@ from recipes.config import register_resolvers
 from recipes.data_setup import build_data
 from recipes.error_report import error_report
 from recipes.experiment import build_brain
-from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir
+from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir, sweep_jobs
 from recipes.preflight import USER_ERRORS, preflight, run_options
 from recipes.task import LEGACY_BEAM_SIZE, LEGACY_DECODER
 from recipes.tasks import task_for
@@ -116,13 +116,22 @@ def split_arguments(items: list[str]) -> tuple[list[str], list[str]]:
     and so is an item with a ``/`` before its ``=``: a missing run, reported as such rather
     than taken for an override. Of several existing paths (a shell glob such as
     ``multirun/DATE/*``), those that are not run folders (``summary.md``, the sweep's ``tb/``,
-    a job stopped before it started training) are left out.
+    a job stopped before it started training) are left out. A sweep's folder stands for its
+    jobs (``multirun/DATE`` as ``multirun/DATE/*``).
     """
     runs = [item for item in items if Path(item).exists() or not _is_override(item)]
     overrides = [item for item in items if item not in runs]
+    runs = [job for run in runs for job in _sweep_jobs_or_run(run)]
     if len(runs) > 1:
         runs = [run for run in runs if not Path(run).exists() or is_run_dir(Path(run))]
     return runs, overrides
+
+
+def _sweep_jobs_or_run(item: str) -> list[str]:
+    """A sweep folder's job folders (it was refused as "not a training run folder"), or
+    ``[item]``: a run folder, a missing one, or a sweep without jobs (refused by name)."""
+    jobs = sweep_jobs(item) if Path(item).is_dir() and not is_run_dir(Path(item)) else None
+    return [str(job) for job in jobs] if jobs else [item]
 
 
 def _is_override(item: str) -> bool:
@@ -150,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         "items",
         nargs="+",
         metavar="RUN_OR_OVERRIDE",
-        help="run folders (several: e.g. multirun/DATE/*), then key=value changes "
+        help="run folders (several: e.g. multirun/DATE/*, or the sweep folder multirun/DATE), "
+        "then key=value changes "
         "(e.g. model.decoder=lexicon)",
     )
     parser.add_argument("--split", default="test", help="test | valid")

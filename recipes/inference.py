@@ -37,17 +37,47 @@ def is_run_dir(path: Path) -> bool:
     return (path / ".hydra" / "config.yaml").is_file() and (path / LABELS_FILE).is_file()
 
 
+#: What a ``-m`` sweep writes into its folder (Hydra), beside the job folders.
+SWEEP_FILE = "multirun.yaml"
+
+
+def sweep_jobs(path: str | Path) -> list[Path] | None:
+    """The run folders of the sweep folder ``path``, in job order; None if ``path`` is not
+    a sweep folder (no ``multirun.yaml``). Jobs stopped before they trained are left out."""
+    path = Path(path)
+    if not (path / SWEEP_FILE).is_file():
+        return None
+    jobs = [job for job in path.iterdir() if job.is_dir() and is_run_dir(job)]
+
+    def order(job: Path) -> tuple[int, str]:  # Hydra's job number, then the name
+        number = job.name.split("_")[0]
+        return (int(number) if number.isdigit() else -1, job.name)
+
+    return sorted(jobs, key=order)
+
+
 def find_run_dir(path: str | Path) -> Path:
     """The run folder for a run folder, its ``checkpoints/`` or one ``CKPT+*`` inside it.
 
     Raises:
         RunNotFoundError: ``path`` does not exist (a relative path read from another
-            folder, a sweep job's folder given without its sweep's), or no run is there.
+            folder, a sweep job's folder given without its sweep's), is a sweep's folder
+            (the message names its jobs), or no run is there.
     """
     if not Path(path).exists():
         raise RunNotFoundError(
             f"{path} does not exist (relative paths are read from {Path.cwd()}). "
             "Pass the folder that recipes/train.py wrote."
+        )
+    jobs = sweep_jobs(path)
+    if jobs is not None and not is_run_dir(Path(path)):
+        names = ", ".join(job.name for job in jobs[:8]) + (", ..." if len(jobs) > 8 else "")
+        raise RunNotFoundError(
+            f"{path} is the folder of a -m sweep, not of one run. Pass one of its jobs, e.g. "
+            f"{Path(path) / jobs[0].name} (jobs: {names})."
+            if jobs
+            else f"{path} is the folder of a -m sweep whose jobs have not started training "
+            "(none holds a run). Pass a run folder that recipes/train.py wrote."
         )
     path = Path(path).resolve()
     for candidate in (path, path.parent, path.parent.parent):
