@@ -383,3 +383,16 @@ def test_a_sweep_value_check_leaves_the_device_to_each_job() -> None:
     assert sweep_value_problem(["-m", "device=cuda", "precision=fp32,bf16"], "config") is None
     assert sweep_value_problem(["-m", "precision=fp32,bf61"], "config") is None
     assert sweep_value_problem(["-m", "model.lr=0.001,0.002", "seed=1,2"], "config") is None
+
+
+def test_a_folder_given_as_an_audio_file_is_called_a_folder(tmp_path):
+    """It was reported as "Audio file not found", though it is there."""
+    from data.audio import load_audio
+    from recipes.transcribe import as_transcribe_advice
+
+    with pytest.raises(AudioError) as refusal:
+        load_audio(tmp_path, 8000)
+    assert as_transcribe_advice(refusal.value) == (
+        f"Bad audio file {tmp_path}: it is a folder, not an audio file. "
+        "Fix: pass a readable audio file (wav, flac, ...)."
+    )
