@@ -396,3 +396,23 @@ def test_a_folder_given_as_an_audio_file_is_called_a_folder(tmp_path):
         f"Bad audio file {tmp_path}: it is a folder, not an audio file. "
         "Fix: pass a readable audio file (wav, flac, ...)."
     )
+
+
+def test_a_data_root_that_is_a_file_or_misspelled_leaves_nothing_behind(tmp_path, monkeypatch):
+    """``data.root`` naming a file was a FileExistsError traceback; a misspelled one whose
+    download failed left the folders made for the download behind."""
+    from data.fsdd import ensure_fsdd
+
+    a_file = tmp_path / "a.wav"
+    a_file.write_bytes(b"RIFF")
+    with pytest.raises(DatasetNotFoundError, match=rf"data.root={a_file} is a file, not a folder"):
+        ensure_fsdd(a_file)
+
+    def no_network(url: str, dst: str, **kwargs) -> None:
+        raise OSError("no network")
+
+    monkeypatch.setattr("torch.hub.download_url_to_file", no_network)
+    typo = tmp_path / "dtaa" / "fsdd"
+    with pytest.raises(DatasetNotFoundError, match=r"the download failed \(no network\)"):
+        ensure_fsdd(typo)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"]  # no dtaa/fsdd/ left
