@@ -40,7 +40,7 @@ from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
 from recipes.frontend import NORMALIZATIONS, PAD_MODES, build_features
 from recipes.modules import MODULE_KEYS, build_model
-from recipes.schema import OPTION_SCHEMAS, schema_help
+from recipes.schema import OPTION_SCHEMAS, Precision, schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -714,6 +714,8 @@ def validate_config(cfg: DictConfig) -> None:
             )
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
+    for key in ("precision.name", "precision.eval_precision"):  # evaluate.py's untyped config
+        _choice(cfg, key, [str(p) for p in Precision])
     _choice(cfg, "trainer.average_from", AVERAGE_FROM)
     _choice(cfg, "trainer.checkpoint_writes", CHECKPOINT_WRITES)
     _choice(cfg, "data.features.normalize", NORMALIZATIONS)

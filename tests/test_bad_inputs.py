@@ -416,3 +416,20 @@ def test_a_data_root_that_is_a_file_or_misspelled_leaves_nothing_behind(tmp_path
     with pytest.raises(DatasetNotFoundError, match=r"the download failed \(no network\)"):
         ensure_fsdd(typo)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"]  # no dtaa/fsdd/ left
+
+
+def test_evaluate_untyped_config_gets_a_precision_refusal_naming_the_key():
+    """evaluate.py reads the run's saved config without the schema: ``precision.
+    eval_precision=fp8`` failed with "Specified autocast mode ('fp8') incorrect", no key."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import validate_config
+
+    saved = OmegaConf.create(OmegaConf.to_yaml(compose_config(FAST)))  # as evaluate loads it
+    validate_config(saved)
+    saved.precision.eval_precision = "fp8"
+    with pytest.raises(ConfigError) as refusal:
+        validate_config(saved)
+    assert str(refusal.value) == (
+        "precision.eval_precision='fp8' is not valid; choose one of: fp32, fp16, bf16, auto."
+    )
