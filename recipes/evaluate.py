@@ -18,6 +18,7 @@ most frequent confusions (``recipes/error_report.py``).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,18 @@ from recipes.config import register_resolvers
 from recipes.data_setup import build_data
 from recipes.error_report import error_report
 from recipes.experiment import build_brain
-from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir, sweep_jobs
+from recipes.inference import (
+    RunNotFoundError,
+    find_run_dir,
+    is_run_dir,
+    sweep_jobs,
+    unfinished_run_note,
+)
 from recipes.preflight import USER_ERRORS, preflight, run_options
 from recipes.task import LEGACY_BEAM_SIZE, LEGACY_DECODER
 from recipes.tasks import task_for
 
+logger = logging.getLogger(__name__)
 SPLITS = ("test", "valid")
 _ABSENT = object()  # OmegaConf.select's default for a key the config does not have
 
@@ -85,6 +93,9 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not valid; choose one of: {', '.join(SPLITS)}.")
     run_dir = find_run_dir(run)
+    note = unfinished_run_note(run_dir)
+    if note is not None:
+        logger.warning(note)
     overrides = list(overrides or [])
     cfg = run_config(run_dir, overrides)
     preflight(cfg)  # the checks train.py runs: values, decoder back end, device, precision

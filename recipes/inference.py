@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from recipes.modules import build_modules
 from recipes.run_folder import LABELS_FILE
 from recipes.task import RunLabels, Task
 from recipes.tasks import task_for
+
+logger = logging.getLogger(__name__)
 
 
 class RunNotFoundError(FileNotFoundError):
@@ -148,6 +151,31 @@ class TrainedModel:
 MIN_CLIP_SECONDS = 0.25
 
 
+def unfinished_run_note(run_dir: Path) -> str | None:
+    """None for a run that has tested its model (its ``results.json``); for one stopped
+    before (killed, or still training), the line that says what its labels or metrics
+    come from: its checkpoints so far, not its final model.
+
+    Raises:
+        RunNotFoundError: the run has no end-of-epoch checkpoint (stopped in its first
+            epoch): evaluate.py tested its mid-epoch checkpoint, which has no validation
+            metrics, as "the best", and transcribe.py said only "No checkpoint to average".
+    """
+    if (run_dir / RESULTS_FILE).is_file():
+        return None
+    epochs = Checkpointer(run_dir / "checkpoints").find_last_checkpoints(1)
+    if not epochs:
+        raise RunNotFoundError(
+            f"{run_dir} has no checkpoint of a whole epoch: its training stopped in its first "
+            "epoch. Fix: resume it (run its recipes/train.py command again) until at least "
+            "one epoch has ended."
+        )
+    return (
+        f"{run_dir} has not finished training (no {RESULTS_FILE}): using its checkpoints "
+        f"so far (newest whole epoch: {epochs[0].meta.get('epoch', '?')}), not its final model."
+    )
+
+
 def tested_precision(run_dir: Path) -> str:
     """The precision the run's test ran in (``results.json``'s ``eval_precision``, as
     resolved: ``precision=auto`` gives the one it picked); fp32 for a run without one."""
@@ -176,6 +204,9 @@ def load_trained(
             f"precision={precision} is not valid; choose one of: {', '.join(PRECISIONS)}, {AUTO}."
         )
     run_dir = find_run_dir(path)
+    note = unfinished_run_note(run_dir)
+    if note is not None:
+        logger.warning(note)
     precision = precision or tested_precision(run_dir)
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     labels_json = json.loads((run_dir / LABELS_FILE).read_text())

@@ -924,6 +924,39 @@ def test_labelling_in_a_precision_this_cpu_emulates_warns(cli_run, tmp_path, mon
     assert "emulates" not in caplog.text
 
 
+def test_an_unfinished_run_says_so_and_one_without_a_whole_epoch_is_refused(
+    cli_run, fsdd_recordings, tmp_path, caplog
+):
+    """A run killed mid-training was labelled and re-tested without a word that its
+    weights are not the final model's; one killed in its first epoch (only a mid-epoch
+    checkpoint) was re-tested on that checkpoint as "the best by validation CER" while
+    transcribe.py said only "No checkpoint to average"."""
+    with caplog.at_level(logging.WARNING):
+        load_trained(cli_run, device="cpu")
+    assert "not finished" not in caplog.text  # a finished run: no note
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    (run / "results.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        load_trained(run, device="cpu")
+        evaluate_run(run)
+    note = (
+        f"{run} has not finished training (no results.json): using its checkpoints so far "
+        "(newest whole epoch: 2), not its final model."
+    )
+    assert caplog.text.count(note) == 2
+    for meta in run.glob("checkpoints/CKPT+*/meta.json"):  # killed in its first epoch
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "end_of_epoch": False}))
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    for script, args in (("transcribe.py", [str(run), wav]), ("evaluate.py", [str(run)])):
+        result = run_cli(script, args, fsdd_recordings)
+        assert result.returncode == 2 and result.stderr == (
+            f"error: {run} has no checkpoint of a whole epoch: its training stopped in its "
+            "first epoch. Fix: resume it (run its recipes/train.py command again) until at "
+            "least one epoch has ended.\n"
+        ), result.stderr[-2000:]
+
+
 def test_transcribe_precision_auto_works_and_a_wrong_one_is_named(
     cli_run, fsdd_recordings, monkeypatch
 ):
