@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         if not runs:
             raise RunNotFoundError("No run folder given (e.g. outputs/fsdd_digits/...).")
         for run in runs:  # every run is found before any is evaluated
+            if not Path(run).exists() and re.fullmatch(r"\w+(\.\w+)+", run):
+                raise ValueError(  # was "model.decoder does not exist (relative paths ...)"
+                    f"{run} is neither a run folder nor a key=value override: give the key "
+                    f"a value (e.g. {run}=...)."
+                )
             find_run_dir(run)
         for new_file in (args.json, args.errors):
             if new_file is not None and new_file.exists():

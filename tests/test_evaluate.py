@@ -150,3 +150,14 @@ def test_a_sweep_folder_stands_for_its_jobs_and_transcribe_names_them(tmp_path) 
     assert split_arguments([str(empty)]) == ([str(empty)], [])
     with pytest.raises(RunNotFoundError, match="sweep whose jobs have not started training"):
         find_run_dir(empty)
+
+
+def test_an_override_without_its_value_is_named_as_one(tmp_path, capsys) -> None:
+    """``evaluate.py RUN model.decoder`` (the ``=value`` forgotten) was taken for a run
+    folder: "model.decoder does not exist (relative paths are read from ...)"."""
+    run = make_run(tmp_path / "run")
+    assert main([run, "model.decoder"]) == 2
+    assert capsys.readouterr().err == (
+        "error: model.decoder is neither a run folder nor a key=value override: give the key "
+        "a value (e.g. model.decoder=...).\n"
+    )
