@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import difflib
 import importlib.util
+import re
 import sys
 import typing
 import warnings
@@ -45,6 +46,8 @@ from recipes.tasks import UnknownTaskError, task_for
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("precision", "device", "model", "data", "trainer")  # config groups with a node
+#: Groups of presets that ``--help`` lists too (each option sets keys of the groups above).
+PRESET_GROUPS = ("fast_path", "experiment", "debug", "hparams_search")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -105,9 +108,17 @@ def register_resolvers() -> None:
 
 
 def _comments(path: Path) -> tuple[str, dict[str, str]]:
-    """A config file's first comment line and the comment of each top-level key."""
+    """A config file's first comment line (after Hydra's ``# @package`` line; `` ...`` when
+    its sentence goes on) and the comment of each top-level key."""
     lines = path.read_text().splitlines()
-    title = lines[0].lstrip("# ").strip() if lines and lines[0].startswith("#") else ""
+    head = [line for line in lines if not line.startswith("# @package")]
+    title = head[0].lstrip("# ").strip() if head and head[0].startswith("#") else ""
+    sentence = re.search(r"(?<!e\.g)\. ", title)  # a first sentence that ends in the line
+    goes_on = len(head) > 1 and head[1].startswith("# ") and not head[1].startswith("#  ")
+    if sentence:
+        title = title[: sentence.start() + 1]
+    elif title and goes_on and not title.endswith((".", ")", ":")):
+        title += " ..."
     keys = {}
     for line in lines:
         if line[:1].isalpha() and "#" in line and ":" in line.split("#")[0]:
@@ -130,11 +141,11 @@ def config_help() -> str:
         "",
         "Config groups (group=option; * = default):",
     ]
-    for group in GROUPS:
+    for group in (*GROUPS, *PRESET_GROUPS):
         out.append(f"  {group}:")
         for path in sorted((CONF_DIR / group).glob("*.yaml")):
             mark = "*" if defaults.get(group) == path.stem else " "
-            out.append(f"   {mark}{path.stem:<14} {_comments(path)[0]}")
+            out.append(f"   {mark}{path.stem:<15} {_comments(path)[0]}")
     out += ["", "Most used keys (key=value; every key: --cfg job):"]
     for group, key in HELP_KEYS:
         option = defaults.get(group, "default")

@@ -433,3 +433,21 @@ def test_evaluate_untyped_config_gets_a_precision_refusal_naming_the_key():
     assert str(refusal.value) == (
         "precision.eval_precision='fp8' is not valid; choose one of: fp32, fp16, bf16, auto."
     )
+
+
+def test_help_lists_the_preset_groups_too():
+    """``--help`` listed five groups: not ``debug=fast`` (the quick check), ``experiment``,
+    ``hparams_search`` or ``fast_path``; a description went on mid-sentence without a mark."""
+    from recipes.config import CONF_DIR, PRESET_GROUPS, config_help
+
+    text = config_help()
+    for group in PRESET_GROUPS:
+        assert f"  {group}:" in text
+        for option in (CONF_DIR / group).glob("*.yaml"):
+            assert f" {option.stem} " in text, option
+    assert "@package" not in text
+    assert (
+        "   *auto            The default: step_graphs on a CUDA device, none elsewhere.\n" in text
+    )
+    assert "    fast            Fast check of the whole recipe: CPU, 2 batches per stage" in text
+    assert "(bf16 on Ampere+ GPUs and on ...\n" in text  # the sentence goes on in the file
