@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import difflib
 import importlib.util
+import itertools
 import re
 import sys
 import typing
@@ -450,25 +451,33 @@ def _is_group_choice(override: Override) -> bool:
     return "/" in key or (CONF_DIR / key).is_dir()
 
 
+#: Combinations of the other lists a refused sweep value is tried with (at most).
+SWEEP_COMBINATIONS_TRIED = 32
+
+
 def sweep_value_problem(overrides: Iterable[str], config_name: str) -> str | None:
-    """What ``validate_config`` refuses in one of the values a ``-m`` sweep lists, or None.
+    """A value a ``-m`` sweep lists that no job can run with (``validate_config`` refuses it
+    beside every value of the other lists), or None.
 
     Hydra composes every job of a sweep before the first runs, so a value that does not
     compose (``precision=fp32,bf61``, ``trainer.epochs=1,two``) fails at once; a value that
     composes but is out of range (``model.lr=0.001,-1``) was refused only when its job came,
     after the jobs before it had trained. Each listed value (``a,b``, ``choice()``,
-    ``range()``) is checked beside the first value of every other list; intervals, which a
-    sweeper draws from, keep their config value. Only what the config itself decides is
-    checked here: whether the device and its precisions exist is each job's to check, on the
-    machine it runs on (a SLURM node has the GPU the submitting host may lack). A command
-    line that does not compose is left to Hydra, whose message says why.
+    ``range()``) is checked beside the first value of every other list, and a refused one
+    beside the other combinations (up to ``SWEEP_COMBINATIONS_TRIED``): a value refused only
+    in some (``model.num_heads=5`` with ``model.d_model=144`` but not 160) leaves those jobs
+    to fail alone, as before. Intervals, which a sweeper draws from, keep their config value.
+    Only what the config itself decides is checked here: whether the device and its
+    precisions exist is each job's to check, on the machine it runs on (a SLURM node has the
+    GPU the submitting host may lack). A command line that does not compose is left to
+    Hydra, whose message says why.
 
     Args:
         overrides: the command line's arguments (``sys.argv[1:]``).
         config_name: the entry point's primary config (``config``, ``benchmark``, ...).
     """
     items = _parsed_overrides(overrides)
-    sweeps: list[tuple[Override, list[str]]] = []  # each list and its values, as text
+    sweeps: list[tuple[Override, list[str]]] = []  # each list and its values, as overrides
     for _, override in items:
         if override.is_discrete_sweep():
             try:
@@ -476,43 +485,81 @@ def sweep_value_problem(overrides: Iterable[str], config_name: str) -> str | Non
             except Exception:  # noqa: BLE001 (e.g. glob(), which needs Hydra's loader)
                 return None
             if values:
-                sweeps.append((override, values))
+                key = override.get_key_element()
+                sweeps.append((override, [f"{key}={value}" for value in values]))
     if not sweeps:
         return None
     plain = [item for item, override in items if not override.is_sweep_override()]
-    first = [f"{o.get_key_element()}={values[0]}" for o, values in sweeps]
+    first = [texts[0] for _, texts in sweeps]
     from hydra import compose, initialize_config_dir  # only for a sweep's command line
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
         return None  # inside a Hydra app (its callbacks check what they need)
     parser = OverridesParser.create()
+
+    def refusal(job: list[str]) -> str | None:
+        """What validate_config says of the job of these overrides (None: it can run, or
+        it does not compose, which Hydra reports)."""
+        try:
+            cfg = compose(config_name, overrides=[*plain, *job], return_hydra_config=True)
+            validate_config(cfg)
+        except (ConfigError, UnknownModulePatternError) as err:
+            return str(err)
+        except Exception:  # noqa: BLE001 (does not compose: Hydra reports it)
+            return None
+        return None
+
+    refused: list[tuple[str, list[str]]] = []  # values no job can run with, and why
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         try:
             base = compose(config_name, overrides=[*plain, *first], return_hydra_config=True)
         except Exception:  # noqa: BLE001 (Hydra's own run says what does not compose)
             return None
-        for index, (override, values) in enumerate(sweeps):
-            others = first[:index] + first[index + 1 :]
-            for value in values:
-                text = f"{override.get_key_element()}={value}"
-                try:
-                    if _is_group_choice(override) or not _sets_a_value(override):
-                        cfg = compose(
-                            config_name, overrides=[*plain, *others, text], return_hydra_config=True
-                        )
-                    else:  # a value: set on the composed config (much faster than composing)
-                        cfg = copy.deepcopy(base)
+        for index, (override, texts) in enumerate(sweeps):
+            others = [other for i, (_, other) in enumerate(sweeps) if i != index]
+            for text in texts:
+                if _is_group_choice(override) or not _sets_a_value(override):
+                    problem = refusal([*first[:index], text, *first[index + 1 :]])
+                else:  # a value: set on the composed config (much faster than composing)
+                    cfg = copy.deepcopy(base)
+                    try:
                         OmegaConf.update(
                             cfg, override.key_or_group, parser.parse_override(text).value()
                         )
-                except Exception:  # noqa: BLE001 (does not compose: Hydra reports it)
+                        validate_config(cfg)
+                        problem = None
+                    except (ConfigError, UnknownModulePatternError) as err:
+                        problem = str(err)
+                    except Exception:  # noqa: BLE001 (does not compose: Hydra reports it)
+                        problem = None
+                if problem is None:
                     continue
-                try:
-                    validate_config(cfg)
-                except (ConfigError, UnknownModulePatternError) as err:
-                    return f"the sweep's {text} is refused: {err}"
-    return None
+                reasons = [problem]
+                combinations = itertools.islice(
+                    itertools.product(*others), 1, SWEEP_COMBINATIONS_TRIED
+                )  # the first (the first values) is the one just tried
+                for combination in combinations:
+                    reason = refusal([*combination, text])
+                    if reason is None:
+                        break  # some jobs can run with it: those that cannot fail alone
+                    reasons.append(reason)
+                else:
+                    refused.append((text, reasons))
+    if not refused:
+        return None
+
+    def own(reason: str, text: str) -> bool:  # the refusal is about this value's key
+        key = text.split("=", 1)[0].lstrip("+~")
+        return reason.startswith((f"{key}=", f"{key}:", f"{key} ")) or (
+            key.rsplit(".", 1)[-1] in reason
+        )
+
+    text, reasons = next(
+        ((t, r) for t, r in refused if any(own(reason, t) for reason in r)), refused[0]
+    )
+    reason = next((reason for reason in reasons if own(reason, text)), reasons[0])
+    return f"the sweep's {text} is refused: {reason}"
 
 
 def exit_on_unknown_override_keys(
@@ -531,7 +578,14 @@ def exit_on_unknown_override_keys(
             check_option_keys(args, config_name)
     except ConfigError as err:
         sys.exit(f"error: {err}")
-    if config_name is not None and ({"-m", "--multirun"} & set(args)):
+    sweeping = bool({"-m", "--multirun"} & set(args))
+    search = [arg for arg in args if arg.startswith("hparams_search=") and arg[15:] != "null"]
+    if search and not sweeping and not {"--cfg", "-c", "--info", "-i"} & set(args):
+        sys.exit(  # it trained one run with the config's values, the search ignored
+            f"error: {search[0]} is a search over several runs, which Hydra runs only as a "
+            f"sweep: add -m (python recipes/train.py -m {search[0]} ...)."
+        )
+    if config_name is not None and sweeping:
         problem = sweep_value_problem(args, config_name)
         if problem is not None:
             sys.exit(

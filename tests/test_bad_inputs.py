@@ -374,7 +374,8 @@ def test_a_bad_value_in_a_sweep_list_fails_before_any_job_trains(
 
 def test_a_sweep_value_check_leaves_the_device_to_each_job() -> None:
     """``device=cuda`` is each job's to check on its own machine (a SLURM node has the GPU
-    the submitting host may lack); values Hydra cannot compose are Hydra's to report."""
+    the submitting host may lack); values Hydra cannot compose are Hydra's to report; a
+    value refused in only some combinations of a grid leaves those jobs to fail alone."""
     from recipes.config import register_resolvers, sweep_value_problem
     from recipes.schema import register_schemas
 
@@ -383,6 +384,13 @@ def test_a_sweep_value_check_leaves_the_device_to_each_job() -> None:
     assert sweep_value_problem(["-m", "device=cuda", "precision=fp32,bf16"], "config") is None
     assert sweep_value_problem(["-m", "precision=fp32,bf61"], "config") is None
     assert sweep_value_problem(["-m", "model.lr=0.001,0.002", "seed=1,2"], "config") is None
+    # a grid with one job that cannot run (144 is not divisible by 5): that job fails alone
+    grid = ["-m", "model.d_model=144,160", "model.num_heads=5,4"]
+    assert sweep_value_problem(grid, "config") is None
+    assert sweep_value_problem(["-m", "model.num_heads=5,4", "trainer.epochs=2,3"], "config") == (
+        "the sweep's model.num_heads=5 is refused: model=conformer_ctc: d_model=144 is not "
+        "divisible by num_heads=5"
+    )
 
 
 def test_a_folder_given_as_an_audio_file_is_called_a_folder(tmp_path):
@@ -451,3 +459,18 @@ def test_help_lists_the_preset_groups_too():
     )
     assert "    fast            Fast check of the whole recipe: CPU, 2 batches per stage" in text
     assert "(bf16 on Ampere+ GPUs and on ...\n" in text  # the sentence goes on in the file
+
+
+def test_a_search_preset_without_m_is_refused_naming_m():
+    """``hparams_search=asr_optuna`` without ``-m`` trained one run with the config's values
+    and no word that the search did not run."""
+    from recipes.config import exit_on_unknown_override_keys
+    from recipes.schema import Config
+
+    with pytest.raises(SystemExit) as refusal:
+        exit_on_unknown_override_keys(Config, ["hparams_search=asr_optuna"], "config")
+    assert str(refusal.value) == (
+        "error: hparams_search=asr_optuna is a search over several runs, which Hydra runs only "
+        "as a sweep: add -m (python recipes/train.py -m hparams_search=asr_optuna ...)."
+    )
+    exit_on_unknown_override_keys(Config, ["hparams_search=asr_optuna", "--cfg", "job"], "config")

@@ -1014,35 +1014,34 @@ def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings
 def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
     fsdd_root, prepared_digits, tmp_path
 ):
-    """Three jobs refused (trainer.epochs=0; 5 heads do not divide d_model), one that
-    trains: the sweep runs all four, writes the table with the failures in it, and exits
+    """Two jobs refused when their data are prepared (speakers FSDD does not have), one that
+    trains: the sweep runs all three, writes the table with the failures in it, and exits
     with status 1 naming them; each failed job's train.log says why. (A job that crashes
-    goes the same way: test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback.)"""
+    goes the same way: test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback. A value
+    the config check refuses in every job, such as trainer.epochs=0, fails the sweep before
+    any job: test_a_bad_value_in_a_sweep_list_fails_before_any_job_trains.)"""
     sweep = tmp_path / "sweep"
     result = run_cli(
         "train.py",
         [
             "-m",
-            "model.num_heads=5,4",
-            "trainer.epochs=0,2",
+            "data.test_speakers=[nobody],[theo],[somebody]",
             *FAST,
             "trainer.debug_epochs=1",
-            f"data.prepared_dir={prepared_digits}",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
             f"hydra.sweep.dir={sweep}",
         ],
         fsdd_root,
     )
     assert result.returncode == 1, result.stderr[-3000:]
     rows = {r["run"]: r["status"] for r in read_csv(sweep / "summary.csv")}
-    # jobs: 0 (5 heads, 0 epochs), 1 (5, 2), 2 (4, 0), 3 (4, 2); names carry the heads
-    names = ["0_model.num_heads=5", "1_model.num_heads=5", "2_model.num_heads=4"]
-    trained = "3_model.num_heads=4"
+    names = ["0_data.test_speakers=[nobody]", "2_data.test_speakers=[somebody]"]
+    trained = "1_data.test_speakers=[theo]"
     assert rows == {**dict.fromkeys(names, "failed"), trained: "ok"}
     assert (sweep / trained / "results.json").is_file()
-    assert "3 of 4 sweep jobs failed" in result.stderr
-    logs = [(sweep / name / "train.log").read_text() for name in names]
-    assert "trainer.epochs" in logs[0] and "trainer.epochs" in logs[2]
-    assert "not divisible by num_heads" in logs[1]
+    assert "2 of 3 sweep jobs failed" in result.stderr
+    for name, speaker in zip(names, ["nobody", "somebody"], strict=True):
+        assert f"names ['{speaker}'], not FSDD speakers" in (sweep / name / "train.log").read_text()
 
 
 def one_epoch_fp32_sweep(prepared: Path, sweep: Path) -> list[str]:
