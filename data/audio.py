@@ -34,6 +34,8 @@ def _bad_file(path: Path, problem: str) -> AudioError:
 
 
 def _check_exists(path: Path) -> None:
+    if path.is_dir():  # was reported as "Audio file not found", though it is there
+        raise _bad_file(path, "it is a folder, not an audio file")
     if not path.is_file():
         what = f"Audio file not found: {path}"
         raise AudioError(

@@ -12,6 +12,7 @@ user's own takes, macOS ``._*.wav`` metadata) are ignored, never read as FSDD.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -180,12 +181,22 @@ def ensure_fsdd(root: str | Path, download: bool = True) -> Path:
             the downloaded archive does not hold the expected recordings.
     """
     root = Path(root).absolute()
+    if root.exists() and not root.is_dir():  # it was a FileExistsError traceback
+        raise DatasetNotFoundError(
+            f"data.root={root} is a file, not a folder. Fix: set data.root=PATH (or the "
+            "environment variable FSDD_ROOT=PATH) to the folder holding FSDD's recordings/, "
+            "or to a folder to download them into."
+        )
     found = find_fsdd_recordings(root)
     if found is not None:
         return found
     if not download:
         raise _not_found(root, "download is disabled")
-    root.mkdir(parents=True, exist_ok=True)
+    created = [folder for folder in (root, *root.parents) if not folder.exists()]
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a read-only parent: it was a traceback
+        raise _not_found(root, f"the folder to download it into cannot be made ({err})") from None
     archive = root / FSDD_ARCHIVE_NAME
     if not archive.is_file():
         try:
@@ -193,6 +204,9 @@ def ensure_fsdd(root: str | Path, download: bool = True) -> Path:
             torch.hub.download_url_to_file(FSDD_URL, str(archive), progress=True)
         except OSError as err:  # URLError, HTTPError, timeouts and disk errors
             archive.unlink(missing_ok=True)
+            for folder in created:  # a misspelled data.root leaves no folders behind
+                with contextlib.suppress(OSError):  # not empty: someone else's now
+                    folder.rmdir()
             raise _not_found(root, f"the download failed ({err})") from None
     recordings = _unpack_recordings(archive, root)
     archive.unlink(missing_ok=True)

@@ -59,12 +59,36 @@ PEER_MODES = ("speechbrain", "lightning")
 MODES = ("bare", "brain", "staged", "loader", *PEER_MODES)
 
 
+#: The shortest synthetic utterance the models' frames and subsampling take (seconds).
+MIN_UTTERANCE_SECONDS = 0.25
+
+
 def check_benchmark_config(cfg: DictConfig) -> None:
-    """Refuse unknown modes and precisions before any work (data, models).
+    """Refuse unknown modes and precisions, and sizes out of range, before any work (data,
+    models): ``benchmark.batch_size=0`` and ``utterance_seconds=0`` ended in an FFT
+    traceback, ``steps=-1`` timed nothing for minutes.
 
     Raises:
         ConfigError: naming the key, the bad values and the valid ones.
     """
+    bench = cfg.benchmark
+    for key in ("batch_size", "steps"):
+        value = bench[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"benchmark.{key}={value!r} is not valid; it must be a positive integer "
+                f"(e.g. benchmark.{key}=8)."
+            )
+    for key in ("warmup_steps", "profile_steps"):
+        value = bench[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"benchmark.{key}={value!r} is not valid; it must be 0 or more.")
+    seconds = bench.utterance_seconds
+    if not isinstance(seconds, int | float) or seconds < MIN_UTTERANCE_SECONDS:
+        raise ConfigError(
+            f"benchmark.utterance_seconds={seconds!r} is not valid: the models need "
+            f"{MIN_UTTERANCE_SECONDS} s or more of audio (e.g. benchmark.utterance_seconds=1.0)."
+        )
     for key, valid in (
         ("benchmark.modes", MODES),
         ("benchmark.precisions", tuple(PRECISIONS)),

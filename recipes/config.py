@@ -12,8 +12,12 @@ device string, each refusal one line naming the key and the valid choices.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import importlib.util
+import itertools
+import re
 import sys
 import typing
 import warnings
@@ -29,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.compile import CUDAGRAPH_MODES
 from amp_utils.distributed import BACKENDS
-from amp_utils.module_precision import apply_fp32_modules
+from amp_utils.module_precision import UnknownModulePatternError, apply_fp32_modules
 from amp_utils.precision import DEVICE_CHOICES, parse_device_name, resolve_device
 from amp_utils.run_options import CHECKPOINT_WRITES
 from recipes.asr.decoding import DECODERS
@@ -37,11 +41,13 @@ from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
 from recipes.frontend import NORMALIZATIONS, PAD_MODES, build_features
 from recipes.modules import MODULE_KEYS, build_model
-from recipes.schema import OPTION_SCHEMAS, schema_help
+from recipes.schema import OPTION_SCHEMAS, Precision, schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("precision", "device", "model", "data", "trainer")  # config groups with a node
+#: Groups of presets that ``--help`` lists too (each option sets keys of the groups above).
+PRESET_GROUPS = ("fast_path", "experiment", "debug", "hparams_search")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -83,9 +89,17 @@ def on_cuda(device_name: str) -> bool:
 
 
 def _comments(path: Path) -> tuple[str, dict[str, str]]:
-    """A config file's first comment line and the comment of each top-level key."""
+    """A config file's first comment line (after Hydra's ``# @package`` line; `` ...`` when
+    its sentence goes on) and the comment of each top-level key."""
     lines = path.read_text().splitlines()
-    title = lines[0].lstrip("# ").strip() if lines and lines[0].startswith("#") else ""
+    head = [line for line in lines if not line.startswith("# @package")]
+    title = head[0].lstrip("# ").strip() if head and head[0].startswith("#") else ""
+    sentence = re.search(r"(?<!e\.g)\. ", title)  # a first sentence that ends in the line
+    goes_on = len(head) > 1 and head[1].startswith("# ") and not head[1].startswith("#  ")
+    if sentence:
+        title = title[: sentence.start() + 1]
+    elif title and goes_on and not title.endswith((".", ")", ":")):
+        title += " ..."
     keys = {}
     for line in lines:
         if line[:1].isalpha() and "#" in line and ":" in line.split("#")[0]:
@@ -108,11 +122,11 @@ def config_help() -> str:
         "",
         "Config groups (group=option; * = default):",
     ]
-    for group in GROUPS:
+    for group in (*GROUPS, *PRESET_GROUPS):
         out.append(f"  {group}:")
         for path in sorted((CONF_DIR / group).glob("*.yaml")):
             mark = "*" if defaults.get(group) == path.stem else " "
-            out.append(f"   {mark}{path.stem:<14} {_comments(path)[0]}")
+            out.append(f"   {mark}{path.stem:<15} {_comments(path)[0]}")
     out += ["", "Most used keys (key=value; every key: --cfg job):"]
     for group, key in HELP_KEYS:
         option = defaults.get(group, "default")
@@ -344,19 +358,219 @@ def check_option_keys(overrides: Iterable[str], config_name: str) -> None:
             raise ConfigError(_other_options_key(group, key, options, chosen))
 
 
+#: Hydra plugins of the optional extras: (the ``hydra/<group>`` option, its package, the
+#: pip requirement, the extra of ``pyproject.toml`` that installs it).
+OPTIONAL_PLUGINS = {
+    ("hydra/sweeper", "optuna"): (
+        "hydra_plugins.hydra_optuna_sweeper",
+        "hydra-optuna-sweeper==1.2.0",
+        "sweep",
+    ),
+}
+
+
+def _plugin_choices(group: str, option: str) -> list[tuple[str, str]]:
+    """The ``hydra/<group>`` options a command-line choice ``group=option`` selects: the
+    choice itself, or those a preset (``hparams_search=asr_optuna``) overrides."""
+    if group.startswith("hydra/"):
+        return [(group, option)]
+    path = CONF_DIR / group / f"{option}.yaml"
+    if not path.is_file():
+        return []  # Hydra lists the group's options
+    chosen = []
+    for entry in OmegaConf.load(path).get("defaults", []) or []:
+        if isinstance(entry, Mapping):
+            for key, value in entry.items():
+                name = str(key).removeprefix("override ").strip().lstrip("/")
+                if name.startswith("hydra/"):
+                    chosen.append((name, str(value)))
+    return chosen
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` (dotted) can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_optional_plugins(overrides: Iterable[str]) -> None:
+    """Refuse a command line that chooses a Hydra plugin of an optional extra that is not
+    installed (``hparams_search=asr_optuna`` without ``hydra-optuna-sweeper``), naming the
+    install command; Hydra said only "Could not find 'hydra/sweeper/optuna'", with
+    ``basic`` as the one available option.
+
+    Raises:
+        ConfigError: one line naming the choice, the missing package and its extra.
+    """
+    for item, override in _parsed_overrides(overrides):
+        if not _sets_a_value(override) or override.is_sweep_override():
+            continue
+        option = override.value()
+        if not isinstance(option, str):
+            continue
+        for plugin in _plugin_choices(override.key_or_group, option):
+            if plugin not in OPTIONAL_PLUGINS:
+                continue
+            package, requirement, extra = OPTIONAL_PLUGINS[plugin]
+            if _installed(package):
+                continue
+            raise ConfigError(
+                f"{item} needs Hydra's {plugin[1]} plugin ({requirement}), which is not "
+                f'installed in this Python environment. Fix: pip install -e ".[{extra}]" '
+                f"from the repository's folder (or pip install {requirement}), then run the "
+                "command again."
+            )
+
+
+def _is_group_choice(override: Override) -> bool:
+    """Whether ``override`` chooses a config group's option (``precision=bf16``,
+    ``hydra/launcher=slurm``) rather than setting a value (``model.lr=0.001``)."""
+    key = override.key_or_group
+    return "/" in key or (CONF_DIR / key).is_dir()
+
+
+#: Combinations of the other lists a refused sweep value is tried with (at most).
+SWEEP_COMBINATIONS_TRIED = 32
+
+
+def sweep_value_problem(overrides: Iterable[str], config_name: str) -> str | None:
+    """A value a ``-m`` sweep lists that no job can run with (``validate_config`` refuses it
+    beside every value of the other lists), or None.
+
+    Hydra composes every job of a sweep before the first runs, so a value that does not
+    compose (``precision=fp32,bf61``, ``trainer.epochs=1,two``) fails at once; a value that
+    composes but is out of range (``model.lr=0.001,-1``) was refused only when its job came,
+    after the jobs before it had trained. Each listed value (``a,b``, ``choice()``,
+    ``range()``) is checked beside the first value of every other list, and a refused one
+    beside the other combinations (up to ``SWEEP_COMBINATIONS_TRIED``): a value refused only
+    in some (``model.num_heads=5`` with ``model.d_model=144`` but not 160) leaves those jobs
+    to fail alone, as before. Intervals, which a sweeper draws from, keep their config value.
+    Only what the config itself decides is checked here: whether the device and its
+    precisions exist is each job's to check, on the machine it runs on (a SLURM node has the
+    GPU the submitting host may lack). A command line that does not compose is left to
+    Hydra, whose message says why.
+
+    Args:
+        overrides: the command line's arguments (``sys.argv[1:]``).
+        config_name: the entry point's primary config (``config``, ``benchmark``, ...).
+    """
+    items = _parsed_overrides(overrides)
+    sweeps: list[tuple[Override, list[str]]] = []  # each list and its values, as overrides
+    for _, override in items:
+        if override.is_discrete_sweep():
+            try:
+                values = [str(value) for value in override.sweep_string_iterator()]
+            except Exception:  # noqa: BLE001 (e.g. glob(), which needs Hydra's loader)
+                return None
+            if values:
+                key = override.get_key_element()
+                sweeps.append((override, [f"{key}={value}" for value in values]))
+    if not sweeps:
+        return None
+    plain = [item for item, override in items if not override.is_sweep_override()]
+    first = [texts[0] for _, texts in sweeps]
+    from hydra import compose, initialize_config_dir  # only for a sweep's command line
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return None  # inside a Hydra app (its callbacks check what they need)
+    parser = OverridesParser.create()
+
+    def refusal(job: list[str]) -> str | None:
+        """What validate_config says of the job of these overrides (None: it can run, or
+        it does not compose, which Hydra reports)."""
+        try:
+            cfg = compose(config_name, overrides=[*plain, *job], return_hydra_config=True)
+            validate_config(cfg)
+        except (ConfigError, UnknownModulePatternError) as err:
+            return str(err)
+        except Exception:  # noqa: BLE001 (does not compose: Hydra reports it)
+            return None
+        return None
+
+    refused: list[tuple[str, list[str]]] = []  # values no job can run with, and why
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        try:
+            base = compose(config_name, overrides=[*plain, *first], return_hydra_config=True)
+        except Exception:  # noqa: BLE001 (Hydra's own run says what does not compose)
+            return None
+        for index, (override, texts) in enumerate(sweeps):
+            others = [other for i, (_, other) in enumerate(sweeps) if i != index]
+            for text in texts:
+                if _is_group_choice(override) or not _sets_a_value(override):
+                    problem = refusal([*first[:index], text, *first[index + 1 :]])
+                else:  # a value: set on the composed config (much faster than composing)
+                    cfg = copy.deepcopy(base)
+                    try:
+                        OmegaConf.update(
+                            cfg, override.key_or_group, parser.parse_override(text).value()
+                        )
+                        validate_config(cfg)
+                        problem = None
+                    except (ConfigError, UnknownModulePatternError) as err:
+                        problem = str(err)
+                    except Exception:  # noqa: BLE001 (does not compose: Hydra reports it)
+                        problem = None
+                if problem is None:
+                    continue
+                reasons = [problem]
+                combinations = itertools.islice(
+                    itertools.product(*others), 1, SWEEP_COMBINATIONS_TRIED
+                )  # the first (the first values) is the one just tried
+                for combination in combinations:
+                    reason = refusal([*combination, text])
+                    if reason is None:
+                        break  # some jobs can run with it: those that cannot fail alone
+                    reasons.append(reason)
+                else:
+                    refused.append((text, reasons))
+    if not refused:
+        return None
+
+    def own(reason: str, text: str) -> bool:  # the refusal is about this value's key
+        key = text.split("=", 1)[0].lstrip("+~")
+        return reason.startswith((f"{key}=", f"{key}:", f"{key} ")) or (
+            key.rsplit(".", 1)[-1] in reason
+        )
+
+    text, reasons = next(
+        ((t, r) for t, r in refused if any(own(reason, t) for reason in r)), refused[0]
+    )
+    reason = next((reason for reason in reasons if own(reason, text)), reasons[0])
+    return f"the sweep's {text} is refused: {reason}"
+
+
 def exit_on_unknown_override_keys(
     root: type, argv: list[str] | None = None, config_name: str | None = None
 ) -> None:
     """An entry point's first step: exit with ``error: <the refusal>`` (status 1, the way
-    the recipes' other user errors exit) if ``check_override_keys`` refuses the command line,
-    or, given the primary ``config_name``, ``check_option_keys``."""
+    the recipes' other user errors exit) if ``check_optional_plugins`` or
+    ``check_override_keys`` refuses the command line, or, given the primary
+    ``config_name``, ``check_option_keys`` or, for a ``-m`` sweep, ``sweep_value_problem``
+    (before any job trains)."""
     args = sys.argv[1:] if argv is None else argv
     try:
+        check_optional_plugins(args)
         check_override_keys(args, root)
         if config_name is not None:
             check_option_keys(args, config_name)
     except ConfigError as err:
         sys.exit(f"error: {err}")
+    sweeping = bool({"-m", "--multirun"} & set(args))
+    search = [arg for arg in args if arg.startswith("hparams_search=") and arg[15:] != "null"]
+    if search and not sweeping and not {"--cfg", "-c", "--info", "-i"} & set(args):
+        sys.exit(  # it trained one run with the config's values, the search ignored
+            f"error: {search[0]} is a search over several runs, which Hydra runs only as a "
+            f"sweep: add -m (python recipes/train.py -m {search[0]} ...)."
+        )
+    if config_name is not None and sweeping:
+        problem = sweep_value_problem(args, config_name)
+        if problem is not None:
+            sys.exit(
+                f"error: {problem} No job has run: correct the value and start the sweep again."
+            )
 
 
 def _check_augmentation(data_cfg: DictConfig) -> dict[str, torch.nn.Module]:
@@ -545,6 +759,8 @@ def validate_config(cfg: DictConfig) -> None:
             )
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
+    for key in ("precision.name", "precision.eval_precision"):  # evaluate.py's untyped config
+        _choice(cfg, key, [str(p) for p in Precision])
     _choice(cfg, "trainer.average_from", AVERAGE_FROM)
     _choice(cfg, "trainer.checkpoint_writes", CHECKPOINT_WRITES)
     _choice(cfg, "data.features.normalize", NORMALIZATIONS)

@@ -7,7 +7,8 @@ the confusions over them, per speaker, so that such a pattern is read off in sec
 
     python recipes/evaluate.py outputs/fsdd_digits/conformer_ctc/... --errors errors.md
 
-Training writes the same report for its test as ``test_errors.md`` in the run folder.
+Training writes the same report for its test as ``test_errors.md`` in the run folder;
+``python recipes/error_report.py RUN_DIR`` prints it.
 ASR confusions are word pairs from aligning each reference with its transcript
 (``difflib``; a missing or extra word pairs with ``MISSING``); speaker-ID confusions are
 (true speaker, predicted speaker) pairs.
@@ -15,7 +16,9 @@ ASR confusions are word pairs from aligning each reference with its transcript
 
 from __future__ import annotations
 
+import argparse
 import difflib
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -247,3 +250,41 @@ def error_report(
             f"| {_cell(outcome.prediction)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the ``test_errors.md`` of each run folder given; returns the exit code.
+
+    Running this file did nothing (no entry point) and exited 0, though the README lists it
+    with the entry points. A run without the report (stopped before its test, or from
+    before the report) gets the command that computes it.
+    """
+    from recipes.inference import RunNotFoundError, find_run_dir
+
+    parser = argparse.ArgumentParser(
+        description="Print what a trained run got wrong in its test (its test_errors.md)."
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders of recipes/train.py")
+    args = parser.parse_args(argv)
+    reports = []
+    try:
+        for run in args.runs:
+            run_dir = find_run_dir(run)
+            report = run_dir / TEST_ERRORS_FILE
+            if not report.is_file():
+                raise RunNotFoundError(
+                    f"{run_dir} has no {TEST_ERRORS_FILE}: the run has not tested its model "
+                    "(it stopped before the end of its training, or it is older than the "
+                    f"report). Fix: python recipes/evaluate.py {run} --errors errors.md "
+                    "(tests its best checkpoint and writes the report to errors.md)."
+                )
+            reports.append(report.read_text())
+    except RunNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(reports), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,7 @@ python recipes/evaluate.py RUN_DIR                          # the run's test, re
 python recipes/evaluate.py RUN_DIR model.decoder=lexicon    # re-score with the lexicon decoder
 python recipes/evaluate.py RUN_DIR precision.eval_precision=bf16 --split valid
 python recipes/evaluate.py RUN_DIR model.decoder=greedy --json greedy.json
-python recipes/evaluate.py multirun/DATE/* model.decoder=lexicon  # each job of a sweep; the mean
+python recipes/evaluate.py multirun/DATE model.decoder=lexicon  # each job of a sweep; the mean
 python recipes/evaluate.py RUN_DIR --errors errors.md      # + what it got wrong, and how
 
 It loads the run's resolved config (``config_resolved.yaml``), applies the ``key=value``
@@ -18,6 +18,8 @@ most frequent confusions (``recipes/error_report.py``).
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,19 @@ from recipes.audio_brain import LEGACY_AVERAGE_FROM, format_metrics
 from recipes.data_setup import build_data
 from recipes.error_report import error_report
 from recipes.experiment import build_brain
-from recipes.inference import RunNotFoundError, find_run_dir, is_run_dir
+from recipes.inference import (
+    RunNotFoundError,
+    find_run_dir,
+    is_run_dir,
+    sweep_jobs,
+    unfinished_run_note,
+)
 from recipes.preflight import USER_ERRORS, preflight, run_options
 from recipes.resolvers import register_resolvers
 from recipes.task import LEGACY_BEAM_SIZE, LEGACY_DECODER
 from recipes.tasks import task_for
 
+logger = logging.getLogger(__name__)
 SPLITS = ("test", "valid")
 #: How to go on after a signal stopped an evaluation (it writes nothing before its end).
 EVALUATE_AGAIN = "Run the same command again to evaluate."
@@ -90,6 +99,9 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not valid; choose one of: {', '.join(SPLITS)}.")
     run_dir = find_run_dir(run)
+    note = unfinished_run_note(run_dir)
+    if note is not None:
+        logger.warning(note)
     overrides = list(overrides or [])
     cfg = run_config(run_dir, overrides)
     preflight(cfg)  # the checks train.py runs: values, decoder back end, device, precision
@@ -122,13 +134,22 @@ def split_arguments(items: list[str]) -> tuple[list[str], list[str]]:
     and so is an item with a ``/`` before its ``=``: a missing run, reported as such rather
     than taken for an override. Of several existing paths (a shell glob such as
     ``multirun/DATE/*``), those that are not run folders (``summary.md``, the sweep's ``tb/``,
-    a job stopped before it started training) are left out.
+    a job stopped before it started training) are left out. A sweep's folder stands for its
+    jobs (``multirun/DATE`` as ``multirun/DATE/*``).
     """
     runs = [item for item in items if Path(item).exists() or not _is_override(item)]
     overrides = [item for item in items if item not in runs]
+    runs = [job for run in runs for job in _sweep_jobs_or_run(run)]
     if len(runs) > 1:
         runs = [run for run in runs if not Path(run).exists() or is_run_dir(Path(run))]
     return runs, overrides
+
+
+def _sweep_jobs_or_run(item: str) -> list[str]:
+    """A sweep folder's job folders (it was refused as "not a training run folder"), or
+    ``[item]``: a run folder, a missing one, or a sweep without jobs (refused by name)."""
+    jobs = sweep_jobs(item) if Path(item).is_dir() and not is_run_dir(Path(item)) else None
+    return [str(job) for job in jobs] if jobs else [item]
 
 
 def _is_override(item: str) -> bool:
@@ -162,7 +183,8 @@ def _main(argv: list[str] | None) -> int:
         "items",
         nargs="+",
         metavar="RUN_OR_OVERRIDE",
-        help="run folders (several: e.g. multirun/DATE/*), then key=value changes "
+        help="run folders (several: e.g. multirun/DATE/*, or the sweep folder multirun/DATE), "
+        "then key=value changes "
         "(e.g. model.decoder=lexicon)",
     )
     parser.add_argument("--split", default="test", help="test | valid")
@@ -180,6 +202,11 @@ def _main(argv: list[str] | None) -> int:
         if not runs:
             raise RunNotFoundError("No run folder given (e.g. outputs/fsdd_digits/...).")
         for run in runs:  # every run is found before any is evaluated
+            if not Path(run).exists() and re.fullmatch(r"\w+(\.\w+)+", run):
+                raise ValueError(  # was "model.decoder does not exist (relative paths ...)"
+                    f"{run} is neither a run folder nor a key=value override: give the key "
+                    f"a value (e.g. {run}=...)."
+                )
             find_run_dir(run)
         for new_file in (args.json, args.errors):
             if new_file is not None and new_file.exists():

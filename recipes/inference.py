@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils import PRECISIONS, AMPConfig, Checkpointer, TorchAutocast, resolve_device
-from amp_utils.precision import check_precision_supported, warn_if_emulated
+from amp_utils.precision import (
+    AUTO,
+    check_precision_supported,
+    resolve_precision,
+    warn_if_emulated,
+)
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from data.audio import load_audio
 from data.dataset import AudioDataset, collate_audio
@@ -22,6 +28,8 @@ from recipes.run_folder import LABELS_FILE
 from recipes.task import RunLabels, Task
 from recipes.tasks import task_for
 
+logger = logging.getLogger(__name__)
+
 
 class RunNotFoundError(FileNotFoundError):
     """The path is not a run folder (or a checkpoint inside one)."""
@@ -32,17 +40,47 @@ def is_run_dir(path: Path) -> bool:
     return (path / ".hydra" / "config.yaml").is_file() and (path / LABELS_FILE).is_file()
 
 
+#: What a ``-m`` sweep writes into its folder (Hydra), beside the job folders.
+SWEEP_FILE = "multirun.yaml"
+
+
+def sweep_jobs(path: str | Path) -> list[Path] | None:
+    """The run folders of the sweep folder ``path``, in job order; None if ``path`` is not
+    a sweep folder (no ``multirun.yaml``). Jobs stopped before they trained are left out."""
+    path = Path(path)
+    if not (path / SWEEP_FILE).is_file():
+        return None
+    jobs = [job for job in path.iterdir() if job.is_dir() and is_run_dir(job)]
+
+    def order(job: Path) -> tuple[int, str]:  # Hydra's job number, then the name
+        number = job.name.split("_")[0]
+        return (int(number) if number.isdigit() else -1, job.name)
+
+    return sorted(jobs, key=order)
+
+
 def find_run_dir(path: str | Path) -> Path:
     """The run folder for a run folder, its ``checkpoints/`` or one ``CKPT+*`` inside it.
 
     Raises:
         RunNotFoundError: ``path`` does not exist (a relative path read from another
-            folder, a sweep job's folder given without its sweep's), or no run is there.
+            folder, a sweep job's folder given without its sweep's), is a sweep's folder
+            (the message names its jobs), or no run is there.
     """
     if not Path(path).exists():
         raise RunNotFoundError(
             f"{path} does not exist (relative paths are read from {Path.cwd()}). "
             "Pass the folder that recipes/train.py wrote."
+        )
+    jobs = sweep_jobs(path)
+    if jobs is not None and not is_run_dir(Path(path)):
+        names = ", ".join(job.name for job in jobs[:8]) + (", ..." if len(jobs) > 8 else "")
+        raise RunNotFoundError(
+            f"{path} is the folder of a -m sweep, not of one run. Pass one of its jobs, e.g. "
+            f"{Path(path) / jobs[0].name} (jobs: {names})."
+            if jobs
+            else f"{path} is the folder of a -m sweep whose jobs have not started training "
+            "(none holds a run). Pass a run folder that recipes/train.py wrote."
         )
     path = Path(path).resolve()
     for candidate in (path, path.parent, path.parent.parent):
@@ -113,6 +151,31 @@ class TrainedModel:
 MIN_CLIP_SECONDS = 0.25
 
 
+def unfinished_run_note(run_dir: Path) -> str | None:
+    """None for a run that has tested its model (its ``results.json``); for one stopped
+    before (killed, or still training), the line that says what its labels or metrics
+    come from: its checkpoints so far, not its final model.
+
+    Raises:
+        RunNotFoundError: the run has no end-of-epoch checkpoint (stopped in its first
+            epoch): evaluate.py tested its mid-epoch checkpoint, which has no validation
+            metrics, as "the best", and transcribe.py said only "No checkpoint to average".
+    """
+    if (run_dir / RESULTS_FILE).is_file():
+        return None
+    epochs = Checkpointer(run_dir / "checkpoints").find_last_checkpoints(1)
+    if not epochs:
+        raise RunNotFoundError(
+            f"{run_dir} has no checkpoint of a whole epoch: its training stopped in its first "
+            "epoch. Fix: resume it (run its recipes/train.py command again) until at least "
+            "one epoch has ended."
+        )
+    return (
+        f"{run_dir} has not finished training (no {RESULTS_FILE}): using its checkpoints "
+        f"so far (newest whole epoch: {epochs[0].meta.get('epoch', '?')}), not its final model."
+    )
+
+
 def tested_precision(run_dir: Path) -> str:
     """The precision the run's test ran in (``results.json``'s ``eval_precision``, as
     resolved: ``precision=auto`` gives the one it picked); fp32 for a run without one."""
@@ -130,16 +193,27 @@ def load_trained(
     averaged checkpoints for its test, the same average).
 
     ``precision`` None: the precision the run was tested in (:func:`tested_precision`), so
-    that labels come out as the run's test figures were computed.
+    that labels come out as the run's test figures were computed; ``auto``: the fastest
+    precision this device computes natively (as ``precision=auto`` in training).
+
+    Raises:
+        ValueError: ``precision`` is not fp32, fp16, bf16 or auto (named, with the choices).
     """
+    if precision is not None and precision not in (*PRECISIONS, AUTO):
+        raise ValueError(
+            f"precision={precision} is not valid; choose one of: {', '.join(PRECISIONS)}, {AUTO}."
+        )
     run_dir = find_run_dir(path)
+    note = unfinished_run_note(run_dir)
+    if note is not None:
+        logger.warning(note)
     precision = precision or tested_precision(run_dir)
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     labels_json = json.loads((run_dir / LABELS_FILE).read_text())
     labels = RunLabels.from_config(cfg, labels_json["speakers"], labels_json.get("words", ()))
     speakers = labels.speakers
     dev = resolve_device(device)
-    amp = AMPConfig.from_name(precision)
+    amp = AMPConfig.from_name(resolve_precision(precision, dev)[0])
     check_precision_supported(amp, dev)
     warn_if_emulated(amp, dev, key="--precision")  # e.g. a GPU run's bf16 on a CPU without it
     modules = build_modules(cfg, speakers, augment=False)

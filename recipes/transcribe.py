@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--precision",
         default=None,
-        help="fp32 | fp16 | bf16 (default: the precision the run was tested in)",
+        help="fp32 | fp16 | bf16 | auto (the fastest this device computes natively; "
+        "default: the precision the run was tested in)",
     )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     args = parser.parse_args(argv)

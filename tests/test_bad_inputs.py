@@ -324,3 +324,154 @@ def test_an_fp32_modules_pattern_that_names_nothing_is_refused_before_data_prepa
     with pytest.raises(UnknownModulePatternError, match="'model.nope' matches no module"):
         train(cfg)
     assert not (tmp_path / "prepared").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "choice", ["hparams_search=asr_optuna", "hparams_search=speaker_optuna", "hydra/sweeper=optuna"]
+)
+def test_a_sweeper_of_an_extra_that_is_not_installed_names_the_install(monkeypatch, choice):
+    """Without hydra-optuna-sweeper (extra ``sweep``), Hydra said only "Could not find
+    'hydra/sweeper/optuna'" and listed ``basic``, not how to get it."""
+    from recipes import config
+
+    monkeypatch.setattr(config, "_installed", lambda package: "optuna" not in package)
+    with pytest.raises(ConfigError) as refusal:
+        config.check_optional_plugins(["-m", "debug=fast", choice])
+    message = str(refusal.value)
+    assert message.startswith(f"{choice} needs Hydra's optuna plugin (hydra-optuna-sweeper")
+    assert 'pip install -e ".[sweep]"' in message and "\n" not in message
+    config.check_optional_plugins(["-m", "hparams_search=nope", "precision=bf16"])  # Hydra's
+    monkeypatch.setattr(config, "_installed", lambda package: True)
+    config.check_optional_plugins(["-m", choice])  # installed: no refusal
+    import tomllib
+
+    extras = tomllib.loads((config.CONF_DIR.parent / "pyproject.toml").read_text())["project"]
+    for _, requirement, extra in config.OPTIONAL_PLUGINS.values():  # the advice installs it
+        assert requirement in extras["optional-dependencies"][extra]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "refusal"),
+    [
+        (["model.lr=0.001,-1"], "the sweep's model.lr=-1 is refused: model.lr=-1.0 is not valid"),
+        (
+            ["model=conformer_ctc,xvector", "data.test_speakers=[theo]"],
+            "the sweep's model=xvector is refused: data.test_speakers cannot be used",
+        ),
+    ],
+)
+def test_a_bad_value_in_a_sweep_list_fails_before_any_job_trains(
+    fsdd_root, tmp_path, sweep, refusal
+):
+    """A value that composes but is out of range was refused only when its job came: the
+    jobs listed before it trained first, then the sweep failed."""
+    sweep_dir = tmp_path / "sweep"
+    err = cli_error(["-m", *FAST, *sweep, f"hydra.sweep.dir={sweep_dir}"], fsdd_root)
+    assert err.startswith(f"error: {refusal}") and err.count("\n") == 1, err[-2000:]
+    assert err.rstrip().endswith("No job has run: correct the value and start the sweep again.")
+    assert not sweep_dir.exists()
+
+
+def test_a_sweep_value_check_leaves_the_device_to_each_job() -> None:
+    """``device=cuda`` is each job's to check on its own machine (a SLURM node has the GPU
+    the submitting host may lack); values Hydra cannot compose are Hydra's to report; a
+    value refused in only some combinations of a grid leaves those jobs to fail alone."""
+    from recipes.config import sweep_value_problem
+    from recipes.resolvers import register_resolvers
+    from recipes.schema import register_schemas
+
+    register_resolvers()
+    register_schemas()
+    assert sweep_value_problem(["-m", "device=cuda", "precision=fp32,bf16"], "config") is None
+    assert sweep_value_problem(["-m", "precision=fp32,bf61"], "config") is None
+    assert sweep_value_problem(["-m", "model.lr=0.001,0.002", "seed=1,2"], "config") is None
+    # a grid with one job that cannot run (144 is not divisible by 5): that job fails alone
+    grid = ["-m", "model.d_model=144,160", "model.num_heads=5,4"]
+    assert sweep_value_problem(grid, "config") is None
+    assert sweep_value_problem(["-m", "model.num_heads=5,4", "trainer.epochs=2,3"], "config") == (
+        "the sweep's model.num_heads=5 is refused: model=conformer_ctc: d_model=144 is not "
+        "divisible by num_heads=5"
+    )
+
+
+def test_a_folder_given_as_an_audio_file_is_called_a_folder(tmp_path):
+    """It was reported as "Audio file not found", though it is there."""
+    from data.audio import load_audio
+    from recipes.transcribe import as_transcribe_advice
+
+    with pytest.raises(AudioError) as refusal:
+        load_audio(tmp_path, 8000)
+    assert as_transcribe_advice(refusal.value) == (
+        f"Bad audio file {tmp_path}: it is a folder, not an audio file. "
+        "Fix: pass a readable audio file (wav, flac, ...)."
+    )
+
+
+def test_a_data_root_that_is_a_file_or_misspelled_leaves_nothing_behind(tmp_path, monkeypatch):
+    """``data.root`` naming a file was a FileExistsError traceback; a misspelled one whose
+    download failed left the folders made for the download behind."""
+    from data.fsdd import ensure_fsdd
+
+    a_file = tmp_path / "a.wav"
+    a_file.write_bytes(b"RIFF")
+    with pytest.raises(DatasetNotFoundError, match=rf"data.root={a_file} is a file, not a folder"):
+        ensure_fsdd(a_file)
+
+    def no_network(url: str, dst: str, **kwargs) -> None:
+        raise OSError("no network")
+
+    monkeypatch.setattr("torch.hub.download_url_to_file", no_network)
+    typo = tmp_path / "dtaa" / "fsdd"
+    with pytest.raises(DatasetNotFoundError, match=r"the download failed \(no network\)"):
+        ensure_fsdd(typo)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav"]  # no dtaa/fsdd/ left
+
+
+def test_evaluate_untyped_config_gets_a_precision_refusal_naming_the_key():
+    """evaluate.py reads the run's saved config without the schema: ``precision.
+    eval_precision=fp8`` failed with "Specified autocast mode ('fp8') incorrect", no key."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import validate_config
+
+    saved = OmegaConf.create(OmegaConf.to_yaml(compose_config(FAST)))  # as evaluate loads it
+    validate_config(saved)
+    saved.precision.eval_precision = "fp8"
+    with pytest.raises(ConfigError) as refusal:
+        validate_config(saved)
+    assert str(refusal.value) == (
+        "precision.eval_precision='fp8' is not valid; choose one of: fp32, fp16, bf16, auto."
+    )
+
+
+def test_help_lists_the_preset_groups_too():
+    """``--help`` listed five groups: not ``debug=fast`` (the quick check), ``experiment``,
+    ``hparams_search`` or ``fast_path``; a description went on mid-sentence without a mark."""
+    from recipes.config import CONF_DIR, PRESET_GROUPS, config_help
+
+    text = config_help()
+    for group in PRESET_GROUPS:
+        assert f"  {group}:" in text
+        for option in (CONF_DIR / group).glob("*.yaml"):
+            assert f" {option.stem} " in text, option
+    assert "@package" not in text
+    assert (
+        "   *auto            The default: step_graphs on a CUDA device, none elsewhere.\n" in text
+    )
+    assert "    fast            Fast check of the whole recipe: CPU, 2 batches per stage" in text
+    assert "(bf16 on Ampere+ GPUs and on ...\n" in text  # the sentence goes on in the file
+
+
+def test_a_search_preset_without_m_is_refused_naming_m():
+    """``hparams_search=asr_optuna`` without ``-m`` trained one run with the config's values
+    and no word that the search did not run."""
+    from recipes.config import exit_on_unknown_override_keys
+    from recipes.schema import Config
+
+    with pytest.raises(SystemExit) as refusal:
+        exit_on_unknown_override_keys(Config, ["hparams_search=asr_optuna"], "config")
+    assert str(refusal.value) == (
+        "error: hparams_search=asr_optuna is a search over several runs, which Hydra runs only "
+        "as a sweep: add -m (python recipes/train.py -m hparams_search=asr_optuna ...)."
+    )
+    exit_on_unknown_override_keys(Config, ["hparams_search=asr_optuna", "--cfg", "job"], "config")

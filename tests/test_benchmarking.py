@@ -286,6 +286,10 @@ def test_a_compiled_benchmark_row_says_that_compiled_code_ran(tmp_path, fsdd_roo
         ("benchmark.modes=[bare,brian]", "benchmark.modes has ['brian']; valid: bare, brain"),
         ("benchmark.precisions=[auto]", "benchmark.precisions has ['auto']; valid: fp32"),
         ("trainer.epochs=0", "trainer.epochs=0 is not valid"),
+        # an FFT traceback, and minutes of timing nothing
+        ("benchmark.batch_size=0", "benchmark.batch_size=0 is not valid; it must be a positive"),
+        ("benchmark.utterance_seconds=0", "benchmark.utterance_seconds=0.0 is not valid"),
+        ("benchmark.steps=-1", "benchmark.steps=-1 is not valid; it must be a positive integer"),
     ],
 )
 def test_bad_benchmark_values_fail_with_one_line_before_any_work(arg, message, fsdd_root, tmp_path):

@@ -138,3 +138,25 @@ def test_the_report_lists_every_wrong_utterance_by_default() -> None:
     assert f"## Wrong utterances ({len(wrong)} of {len(wrong)} listed)" in report
     listed = {line.split(" | ")[0].lstrip("| ") for line in report.splitlines()[-len(wrong) :]}
     assert listed == {o.id for o in wrong}
+
+
+def test_error_report_py_prints_a_runs_report_or_the_command_that_makes_it(
+    tmp_path, capsys, fsdd_root
+) -> None:
+    """``python recipes/error_report.py RUN`` did nothing and exited 0 (no entry point)."""
+    from recipes.error_report import TEST_ERRORS_FILE, main
+    from tests.recipe_helpers import run_cli
+
+    finished, unfinished = tmp_path / "finished", tmp_path / "unfinished"
+    for run in (finished, unfinished):
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "config.yaml").write_text("{}\n")
+        (run / "labels.json").write_text("{}\n")
+    report = error_report([Outcome("u1", "theo", "two", "four")], words=True, title="Test errors")
+    (finished / TEST_ERRORS_FILE).write_text(report)
+    result = run_cli("error_report.py", [str(finished)], fsdd_root, timeout=120)
+    assert result.returncode == 0 and result.stdout == report, result.stderr[-2000:]
+    assert main([str(unfinished)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {unfinished} has no {TEST_ERRORS_FILE}") and err.count("\n") == 1
+    assert f"Fix: python recipes/evaluate.py {unfinished} --errors errors.md" in err

@@ -118,3 +118,46 @@ def test_a_run_from_before_the_newer_options_is_re_tested_as_it_was_tested(tmp_p
         "lexicon",
         8,
     )
+
+
+def test_a_sweep_folder_stands_for_its_jobs_and_transcribe_names_them(tmp_path) -> None:
+    """A sweep's own folder was refused as "not a training run folder" with the advice to
+    pass "e.g. outputs/...": evaluate.py now tests each of its jobs (as ``sweep/*``), and
+    the tools that take one run name the jobs to choose from."""
+    from recipes.inference import RunNotFoundError, find_run_dir
+
+    sweep = tmp_path / "sweep"
+    jobs = [
+        make_run(sweep / f"{n}_precision={p}") for n, p in [(10, "x"), (2, "bf16"), (0, "fp32")]
+    ]
+    make_run(sweep / "3_precision=fp16", started=False)  # stopped before it trained
+    (sweep / "multirun.yaml").write_text("{}\n")
+    (sweep / "summary.md").write_text("")
+    assert split_arguments([str(sweep), "model.decoder=greedy"]) == (
+        [jobs[2], jobs[1], jobs[0]],  # in job order
+        ["model.decoder=greedy"],
+    )
+    with pytest.raises(RunNotFoundError) as refusal:
+        find_run_dir(sweep)
+    assert str(refusal.value) == (
+        f"{sweep} is the folder of a -m sweep, not of one run. Pass one of its jobs, e.g. "
+        f"{jobs[2]} (jobs: 0_precision=fp32, 2_precision=bf16, 10_precision=x)."
+    )
+    assert find_run_dir(jobs[2]) == Path(jobs[2]).resolve()  # what it advises works
+    empty = tmp_path / "empty_sweep"
+    empty.mkdir()
+    (empty / "multirun.yaml").write_text("{}\n")
+    assert split_arguments([str(empty)]) == ([str(empty)], [])
+    with pytest.raises(RunNotFoundError, match="sweep whose jobs have not started training"):
+        find_run_dir(empty)
+
+
+def test_an_override_without_its_value_is_named_as_one(tmp_path, capsys) -> None:
+    """``evaluate.py RUN model.decoder`` (the ``=value`` forgotten) was taken for a run
+    folder: "model.decoder does not exist (relative paths are read from ...)"."""
+    run = make_run(tmp_path / "run")
+    assert main([run, "model.decoder"]) == 2
+    assert capsys.readouterr().err == (
+        "error: model.decoder is neither a run folder nor a key=value override: give the key "
+        "a value (e.g. model.decoder=...).\n"
+    )

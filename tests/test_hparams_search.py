@@ -81,7 +81,7 @@ def test_a_sweeper_tuning_the_wrong_way_is_refused_before_its_first_trial(tmp_pa
 
 
 def test_an_optuna_search_goes_on_past_failed_trials(tmp_path, fsdd_root):
-    """A failed trial (here refused: dropout 1.5) returned NaN, which the Optuna sweeper
+    """A failed trial (here refused: no data) returned NaN, which the Optuna sweeper
     (1.2) tells Optuna in two ways it refuses: the whole study stopped at the first
     failed trial, without the trials left or the summary. A failed trial is now the worst
     value for the direction, and the search goes on."""
@@ -94,9 +94,10 @@ def test_an_optuna_search_goes_on_past_failed_trials(tmp_path, fsdd_root):
             "model=xvector",
             "hparams_search=speaker_optuna",
             "hydra.sweeper.n_trials=2",
-            "model.dropout=choice(1.5,2.5)",  # both refused before any training
             *FAST,
-            f"data.root={fsdd_root}",
+            f"data.root={tmp_path / 'no_data'}",  # both trials refused before any training
+            "data.download=false",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
             f"hydra.sweep.dir={sweep_dir}",
         ],
         fsdd_root,
@@ -112,6 +113,7 @@ def test_an_optuna_search_goes_on_past_failed_trials(tmp_path, fsdd_root):
     [
         ("precision=choice(fp32,bf61)", "precision=bf61 does not compose: In 'config': Could not"),
         ("model.dropout=choice(0.1,abc)", "model.dropout=abc does not compose"),
+        ("model.dropout=choice(0.1,1.5)", "the sweep's model.dropout=1.5 is refused: model="),
     ],
 )
 def test_a_choice_an_optuna_search_cannot_compose_is_refused_before_its_first_trial(

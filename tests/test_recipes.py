@@ -1008,6 +1008,59 @@ def test_labelling_in_a_precision_this_cpu_emulates_warns(cli_run, tmp_path, mon
     assert "emulates" not in caplog.text
 
 
+def test_an_unfinished_run_says_so_and_one_without_a_whole_epoch_is_refused(
+    cli_run, fsdd_recordings, tmp_path, caplog
+):
+    """A run killed mid-training was labelled and re-tested without a word that its
+    weights are not the final model's; one killed in its first epoch (only a mid-epoch
+    checkpoint) was re-tested on that checkpoint as "the best by validation CER" while
+    transcribe.py said only "No checkpoint to average"."""
+    with caplog.at_level(logging.WARNING):
+        load_trained(cli_run, device="cpu")
+    assert "not finished" not in caplog.text  # a finished run: no note
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    (run / "results.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        load_trained(run, device="cpu")
+        evaluate_run(run)
+    note = (
+        f"{run} has not finished training (no results.json): using its checkpoints so far "
+        "(newest whole epoch: 2), not its final model."
+    )
+    assert caplog.text.count(note) == 2
+    for meta in run.glob("checkpoints/CKPT+*/meta.json"):  # killed in its first epoch
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "end_of_epoch": False}))
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    for script, args in (("transcribe.py", [str(run), wav]), ("evaluate.py", [str(run)])):
+        result = run_cli(script, args, fsdd_recordings)
+        assert result.returncode == 2 and result.stderr == (
+            f"error: {run} has no checkpoint of a whole epoch: its training stopped in its "
+            "first epoch. Fix: resume it (run its recipes/train.py command again) until at "
+            "least one epoch has ended.\n"
+        ), result.stderr[-2000:]
+
+
+def test_transcribe_precision_auto_works_and_a_wrong_one_is_named(
+    cli_run, fsdd_recordings, monkeypatch
+):
+    """The emulation warning advises ``--precision=auto``, which transcribe.py refused
+    ("Specified autocast mode ('auto') incorrect"); a misspelled precision now names the
+    flag and its choices."""
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset({"bf16"}))
+    assert load_trained(cli_run, device="cpu", precision="auto").amp.name == "bf16"
+    monkeypatch.setattr("amp_utils.precision.cpu_native_precisions", lambda: frozenset())
+    assert load_trained(cli_run, device="cpu", precision="auto").amp.name == "fp32"
+    wav = str(fsdd_recordings / "3_theo_0.wav")
+    result = run_cli("transcribe.py", [str(cli_run), wav, "--precision", "auto"], fsdd_recordings)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"{wav}\t")
+    result = run_cli("transcribe.py", [str(cli_run), wav, "--precision", "bf61"], fsdd_recordings)
+    assert result.returncode == 2 and result.stderr == (
+        "error: --precision bf61 is not valid; choose one of: fp32, fp16, bf16, auto.\n"
+    )
+
+
 @pytest.mark.parametrize("skip_hint", [None, "or drop it from the manifest"])
 def test_transcribe_advice_for_a_bad_file_is_about_the_file_given(monkeypatch, tmp_path, skip_hint):
     """Audio errors are written for a dataset (re-run data preparation, data.skip_bad_files);
@@ -1045,35 +1098,34 @@ def test_transcribe_rejects_a_folder_that_is_not_a_run(tmp_path, fsdd_recordings
 def test_a_failed_sweep_job_ends_alone_and_the_summary_lists_it(
     fsdd_root, prepared_digits, tmp_path
 ):
-    """Three jobs refused (trainer.epochs=0; 5 heads do not divide d_model), one that
-    trains: the sweep runs all four, writes the table with the failures in it, and exits
+    """Two jobs refused when their data are prepared (speakers FSDD does not have), one that
+    trains: the sweep runs all three, writes the table with the failures in it, and exits
     with status 1 naming them; each failed job's train.log says why. (A job that crashes
-    goes the same way: test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback.)"""
+    goes the same way: test_a_crashed_sweep_job_returns_nan_and_logs_its_traceback. A value
+    the config check refuses in every job, such as trainer.epochs=0, fails the sweep before
+    any job: test_a_bad_value_in_a_sweep_list_fails_before_any_job_trains.)"""
     sweep = tmp_path / "sweep"
     result = run_cli(
         "train.py",
         [
             "-m",
-            "model.num_heads=5,4",
-            "trainer.epochs=0,2",
+            "data.test_speakers=[nobody],[theo],[somebody]",
             *FAST,
             "trainer.debug_epochs=1",
-            f"data.prepared_dir={prepared_digits}",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
             f"hydra.sweep.dir={sweep}",
         ],
         fsdd_root,
     )
     assert result.returncode == 1, result.stderr[-3000:]
     rows = {r["run"]: r["status"] for r in read_csv(sweep / "summary.csv")}
-    # jobs: 0 (5 heads, 0 epochs), 1 (5, 2), 2 (4, 0), 3 (4, 2); names carry the heads
-    names = ["0_model.num_heads=5", "1_model.num_heads=5", "2_model.num_heads=4"]
-    trained = "3_model.num_heads=4"
+    names = ["0_data.test_speakers=[nobody]", "2_data.test_speakers=[somebody]"]
+    trained = "1_data.test_speakers=[theo]"
     assert rows == {**dict.fromkeys(names, "failed"), trained: "ok"}
     assert (sweep / trained / "results.json").is_file()
-    assert "3 of 4 sweep jobs failed" in result.stderr
-    logs = [(sweep / name / "train.log").read_text() for name in names]
-    assert "trainer.epochs" in logs[0] and "trainer.epochs" in logs[2]
-    assert "not divisible by num_heads" in logs[1]
+    assert "2 of 3 sweep jobs failed" in result.stderr
+    for name, speaker in zip(names, ["nobody", "somebody"], strict=True):
+        assert f"names ['{speaker}'], not FSDD speakers" in (sweep / name / "train.log").read_text()
 
 
 def one_epoch_fp32_sweep(prepared: Path, sweep: Path) -> list[str]:
