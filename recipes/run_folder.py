@@ -75,6 +75,27 @@ def first_existing(path: Path) -> Path:
     return path
 
 
+def folder_problem(path: Path, key: str) -> str | None:
+    """Why the folder ``path`` (set by the Hydra option ``key``) cannot be made or written
+    in, or None.
+
+    Hydra makes a run's or a sweep's folder itself, before the task starts: a folder below
+    a file, or in a place the user may not write, ended in Hydra's ``NotADirectoryError`` or
+    ``PermissionError`` traceback.
+    """
+    existing = first_existing(path)
+    if not existing.is_dir():
+        cause = f"{existing} is a file, not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        cause = f"{existing} is not writable"
+    else:
+        return None
+    return (
+        f"The folder {path} cannot be made or written in: {cause}. Nothing was written. "
+        f"Fix: give a folder you can write in ({key}=PATH)."
+    )
+
+
 @dataclass
 class _TakenOver:
     """What ``RunFolderCallback`` took over from Hydra for this process's run."""
@@ -144,6 +165,9 @@ class RunFolderCallback(Callback):
         does not compose, before its first trial (each trial would be refused the same
         way, after the sweep had started)."""
         task_cfg = _task_config(config)
+        problem = folder_problem(Path(str(config.hydra.sweep.dir)), "hydra.sweep.dir")
+        if problem is not None:
+            sys.exit(f"error: {problem}")
         try:
             check_sweep_direction(task_cfg, sweeper_direction(config.hydra.sweeper))
         except USER_ERRORS as err:
@@ -194,6 +218,9 @@ class RunFolderCallback(Callback):
         if results is not None:
             print(finished_message(run_dir, results, task_cfg.trainer))
             sys.exit(0)
+        problem = folder_problem(run_dir, "hydra.run.dir")
+        if problem is not None:
+            sys.exit(f"error: {problem}")
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.runtime.output_dir = str(run_dir)  # run_job sets the same value
             job_logging = OmegaConf.to_container(config.hydra.job_logging, resolve=True)

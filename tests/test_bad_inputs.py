@@ -475,3 +475,35 @@ def test_a_search_preset_without_m_is_refused_naming_m():
         "as a sweep: add -m (python recipes/train.py -m hparams_search=asr_optuna ...)."
     )
     exit_on_unknown_override_keys(Config, ["hparams_search=asr_optuna", "--cfg", "job"], "config")
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        ([*FAST, "hydra.run.dir={place}/run"], "hydra.run.dir"),
+        (["-m", *FAST, "precision=fp32", "hydra.sweep.dir={place}/sweep"], "hydra.sweep.dir"),
+    ],
+)
+def test_a_run_or_sweep_folder_that_cannot_be_made_is_one_line(tmp_path, fsdd_root, args, key):
+    """Hydra makes the run's (or sweep's) folder before the task starts: one below a file
+    (or where the user may not write) ended in its NotADirectoryError (PermissionError)
+    traceback, found by the 2026-11-29 new-user audit."""
+    place = tmp_path / "a_file"
+    place.write_text("not a folder\n")
+    err = cli_error([arg.format(place=place) for arg in args], fsdd_root)
+    assert "Traceback" not in err, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: The folder ") and f"{place} is a file, not a folder" in line
+    assert f"Fix: give a folder you can write in ({key}=PATH)." in line
+    assert place.read_text() == "not a folder\n"
+
+
+def test_a_folder_that_may_not_be_written_in_is_named(tmp_path, monkeypatch):
+    """As root every folder is writable: the check's other branch with os.access patched."""
+    from recipes import run_folder
+
+    monkeypatch.setattr(run_folder.os, "access", lambda path, mode: False)
+    problem = run_folder.folder_problem(tmp_path / "new" / "run", "hydra.run.dir")
+    assert problem is not None and f"{tmp_path} is not writable" in problem
+    monkeypatch.undo()
+    assert run_folder.folder_problem(tmp_path / "new" / "run", "hydra.run.dir") is None
