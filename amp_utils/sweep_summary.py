@@ -5,7 +5,7 @@ into ``summary.md`` and ``summary.csv`` in the sweep directory, with the speed-u
 run over the fp32 run that differs from it only in precision. Job folders (found through
 Hydra's ``.hydra/overrides.yaml``) without ``results.json`` are listed as failed, so a
 crashed run is visible instead of silently missing; for a run whose test found a collapsed
-model (one output for everything: ``recipes/error_report.py``) the ``collapsed to`` column
+model (one output for everything: ``recipes/error_analysis.py``) the ``collapsed to`` column
 says what it said, since its metrics compare nothing. The sweep folder also gets TensorBoard's
 HParams experiment (swept keys first, the test metrics), so ``tensorboard --logdir`` on it
 compares the runs. :class:`SweepSummaryCallback` runs it
@@ -52,7 +52,7 @@ _LEADING_COLUMNS = ("run", "status", "precision", "device", "processes", "model"
 _PRECISION_ORDER = ("fp32", "fp16", "bf16")
 #: Override keys that choose the precision (the group, or its ``name`` field).
 PRECISION_KEYS = ("precision", "precision.name")
-#: What a collapsed model said to everything (``recipes/error_report.py``), or "no".
+#: What a collapsed model said to everything (``recipes/error_analysis.py``), or "no".
 COLLAPSED_COLUMN = "collapsed to"
 _TRAILING_COLUMNS = (
     "utt/s",

@@ -23,7 +23,7 @@ from amp_utils.compile import unwrap_module
 from amp_utils.distributed import all_gather_lists, all_reduce_counts
 from amp_utils.run_results import PERCENT_METRICS
 from data.dataset import AudioBatch
-from recipes.error_report import Outcome
+from recipes.error_analysis import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class AudioBrain(Brain):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: Each validated/tested utterance of the current stage, for
-        #: ``recipes/error_report.py``; empty until a stage scores one (a Brain used
+        #: ``recipes/error_analysis.py``; empty until a stage scores one (a Brain used
         #: by a tool, or whose metric counts are set directly, has none).
         self.outcomes: list[Outcome] = []
 

@@ -12,7 +12,7 @@ overrides, rebuilds the data and the Brain and tests the checkpoint the run test
 best by the validation metric, or the same average). Nothing in the run folder is written:
 the metrics are printed, ``--json FILE`` saves them to a new file, and ``--errors FILE``
 writes a new markdown file with each run's wrong utterances, its errors per speaker and its
-most frequent confusions (``recipes/error_report.py``).
+most frequent confusions (``recipes/error_analysis.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.interruption import run_phase, signals_held
 from recipes.audio_brain import LEGACY_AVERAGE_FROM, format_metrics
 from recipes.data_setup import build_data
-from recipes.error_report import error_report
+from recipes.error_analysis import error_report
 from recipes.experiment import build_brain
 from recipes.inference import (
     RunNotFoundError,
@@ -94,7 +94,7 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
         ``{"run", "split", "overrides", "precision", "metrics", "tested_checkpoint",
         "errors"}``; ``precision`` is the one the metrics were computed in (the run's
         ``precision.eval_precision``, ``auto`` resolved); ``errors`` is the markdown error
-        report (``recipes/error_report.py``).
+        report (``recipes/error_analysis.py``).
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not valid; choose one of: {', '.join(SPLITS)}.")

@@ -49,7 +49,7 @@ from amp_utils.tensorboard import TENSORBOARD_DIR, TensorBoardLogger
 from recipes.audio_brain import AudioBrain
 from recipes.config import ConfigError
 from recipes.data_setup import DataBundle, build_data
-from recipes.error_report import TEST_ERRORS_FILE, error_report, find_collapse
+from recipes.error_analysis import TEST_ERRORS_FILE, error_report, find_collapse
 from recipes.modules import build_modules
 from recipes.preflight import preflight, run_options
 from recipes.run_folder import LABELS_FILE, RunFolder

@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from amp_utils.atomic import atomic_write_text
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults
 from recipes.config import ConfigError
-from recipes.error_report import TEST_ERRORS_FILE
+from recipes.error_analysis import TEST_ERRORS_FILE
 from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
 from recipes.run_overrides import (
     RUN_OVERRIDES_FILE,

@@ -1,11 +1,12 @@
-"""recipes/error_report.py: which utterances a model got wrong, and how."""
+"""recipes/error_analysis.py (which utterances a model got wrong, and how) and the entry
+point recipes/error_report.py that prints a run's report."""
 
 from __future__ import annotations
 
 import random
 
 from data.text import DIGIT_WORDS
-from recipes.error_report import (
+from recipes.error_analysis import (
     MISSING,
     Outcome,
     confusions,
@@ -144,7 +145,8 @@ def test_error_report_py_prints_a_runs_report_or_the_command_that_makes_it(
     tmp_path, capsys, fsdd_root
 ) -> None:
     """``python recipes/error_report.py RUN`` did nothing and exited 0 (no entry point)."""
-    from recipes.error_report import TEST_ERRORS_FILE, main
+    from recipes.error_analysis import TEST_ERRORS_FILE
+    from recipes.error_report import main
     from tests.recipe_helpers import run_cli
 
     finished, unfinished = tmp_path / "finished", tmp_path / "unfinished"
