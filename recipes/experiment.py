@@ -38,6 +38,7 @@ from amp_utils.distributed import (
     broadcast_object,
     ddp_barrier,
     init_distributed,
+    launch_rank,
     run_on_main,
 )
 from amp_utils.interruption import run_phase, signals_held
@@ -350,11 +351,13 @@ def _finished_run(out_dir: Path, trainer: DictConfig) -> dict[str, Any] | None:
     """The results of the run in ``out_dir`` if it has finished (saying so), else None.
 
     To the console only: in a sweep the job's log file is open, and a finished run's files
-    stay byte-identical."""
+    stay byte-identical. Under DDP by rank 0 alone: every rank finds the run finished, and
+    the console printed the same line once per rank."""
     finished = finished_results(out_dir, trainer)
     if finished is None:
         return None
-    print(finished_message(out_dir, finished, trainer), flush=True)
+    if launch_rank() == 0:
+        print(finished_message(out_dir, finished, trainer), flush=True)
     return finished.to_dict()
 
 

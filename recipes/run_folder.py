@@ -43,6 +43,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
+from amp_utils.distributed import launch_rank
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults
 from recipes.config import ConfigError
 from recipes.error_analysis import TEST_ERRORS_FILE
@@ -216,7 +217,8 @@ class RunFolderCallback(Callback):
             sys.exit(f"error: {err}")
         results = finished_results(run_dir, task_cfg.trainer)
         if results is not None:
-            print(finished_message(run_dir, results, task_cfg.trainer))
+            if launch_rank() == 0:  # every DDP rank gets here: one line, not one per rank
+                print(finished_message(run_dir, results, task_cfg.trainer))
             sys.exit(0)
         problem = folder_problem(run_dir, "hydra.run.dir")
         if problem is not None:

@@ -648,7 +648,7 @@ def test_results_describe_the_whole_run_over_sessions(
 
 @pytest.mark.parametrize("epochs", ["trainer.epochs=2", "trainer.epochs=30"])
 def test_in_process_rerun_of_a_finished_run_returns_its_results(
-    tmp_path, fsdd_root, prepared_digits, epochs, capsys
+    tmp_path, fsdd_root, prepared_digits, epochs, capsys, monkeypatch
 ):
     """A debug run finishes after its debug_epochs (2) whatever trainer.epochs says: with
     more epochs configured (30, the default), a rerun trained two more and rewrote it."""
@@ -661,6 +661,11 @@ def test_in_process_rerun_of_a_finished_run_returns_its_results(
     assert snapshot(tmp_path / "run") == before
     key = "trainer.epochs" if epochs == "trainer.epochs=2" else "trainer.debug_epochs"
     assert f"To train it further, raise {key} (e.g. {key}=3)" in capsys.readouterr().out
+    # Under DDP every rank finds the run finished: the line comes from rank 0 alone (it was
+    # printed once per rank); the other ranks get the same results.
+    monkeypatch.setenv("RANK", "1")
+    assert train(cfg) == json.loads(json.dumps(first))
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize(
