@@ -74,6 +74,23 @@ class _SignalCatcher:
             self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         return True
 
+    def _install(self, handler: Callable[[int, FrameType | None], None]) -> bool:
+        """Make ``handler`` that of SIGTERM and SIGINT, keeping theirs to restore; False
+        outside the main thread, where signals cannot be caught (nothing installed)."""
+        self._previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, handler)
+        return True
+
+    def _restore(self) -> None:
+        """Put back the handlers ``_install`` (and ``_note``, SIGCHLD's) replaced."""
+        for sig, handler in self._previous.items():
+            if handler is not None:  # None: installed outside Python, cannot be restored
+                signal.signal(sig, handler)
+        self._previous = {}
+
 
 class StopSignals(_SignalCatcher):
     """Context in which SIGTERM/SIGINT request a checkpoint and a clean exit.
@@ -96,10 +113,7 @@ class StopSignals(_SignalCatcher):
     """
 
     def __enter__(self) -> StopSignals:
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self._install(self._handle)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -109,9 +123,7 @@ class StopSignals(_SignalCatcher):
         logger.warning("Received signal %d: checkpointing after this batch.", signum)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            if handler is not None:  # None: installed outside Python, cannot be restored
-                signal.signal(sig, handler)
+        self._restore()
         # Under a RunSignals, the signal is the run's: a repeat of it (torchrun's forwarded
         # copy) arriving after fit is not a new one. Caught after the loop's last look (in
         # the last validation's end, the last checkpoint's write), it ended nothing: the
@@ -287,20 +299,14 @@ class RunSignals(_SignalCatcher):
         self._raised = False  # the first signal's exit was raised
 
     def __enter__(self) -> RunSignals:
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self.handle)
+        if self._install(self.handle):
             _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        for sig, handler in self._previous.items():
-            if handler is not None:  # None: installed outside Python, cannot be restored
-                signal.signal(sig, handler)
-        self._previous = {}
+        self._restore()
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler: raise :class:`RunInterrupted` now, or at the end of the held
