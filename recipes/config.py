@@ -21,7 +21,7 @@ import re
 import sys
 import typing
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -478,17 +478,28 @@ def sweep_value_problem(overrides: Iterable[str], config_name: str) -> str | Non
         return None  # inside a Hydra app (its callbacks check what they need)
     parser = OverridesParser.create()
 
-    def refusal(job: list[str]) -> str | None:
-        """What validate_config says of the job of these overrides (None: it can run, or
-        it does not compose, which Hydra reports)."""
+    def refused_by_validation(make_config: Callable[[], DictConfig]) -> str | None:
+        """What validate_config says of the config ``make_config`` builds (None: it can
+        run, or it does not compose, which Hydra reports)."""
         try:
-            cfg = compose(config_name, overrides=[*plain, *job], return_hydra_config=True)
-            validate_config(cfg)
+            validate_config(make_config())
         except (ConfigError, UnknownModulePatternError) as err:
             return str(err)
         except Exception:  # noqa: BLE001 (does not compose: Hydra reports it)
             return None
         return None
+
+    def refusal(job: list[str]) -> str | None:
+        """What validate_config says of the job of these overrides."""
+        return refused_by_validation(
+            lambda: compose(config_name, overrides=[*plain, *job], return_hydra_config=True)
+        )
+
+    def with_value(key: str, text: str) -> DictConfig:
+        """The first job's config with ``key`` set to the value of the override ``text``."""
+        cfg = copy.deepcopy(base)
+        OmegaConf.update(cfg, key, parser.parse_override(text).value())
+        return cfg
 
     refused: list[tuple[str, list[str]]] = []  # values no job can run with, and why
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -502,17 +513,9 @@ def sweep_value_problem(overrides: Iterable[str], config_name: str) -> str | Non
                 if _is_group_choice(override) or not _sets_a_value(override):
                     problem = refusal([*first[:index], text, *first[index + 1 :]])
                 else:  # a value: set on the composed config (much faster than composing)
-                    cfg = copy.deepcopy(base)
-                    try:
-                        OmegaConf.update(
-                            cfg, override.key_or_group, parser.parse_override(text).value()
-                        )
-                        validate_config(cfg)
-                        problem = None
-                    except (ConfigError, UnknownModulePatternError) as err:
-                        problem = str(err)
-                    except Exception:  # noqa: BLE001 (does not compose: Hydra reports it)
-                        problem = None
+                    problem = refused_by_validation(
+                        lambda key=override.key_or_group, text=text: with_value(key, text)
+                    )
                 if problem is None:
                     continue
                 reasons = [problem]
