@@ -38,7 +38,6 @@ from amp_utils.distributed import (
     broadcast_object,
     ddp_barrier,
     init_distributed,
-    launch_rank,
     run_on_main,
 )
 from amp_utils.interruption import run_phase, signals_held
@@ -56,11 +55,11 @@ from recipes.preflight import preflight, run_options
 from recipes.run_folder import LABELS_FILE, RunFolder
 from recipes.run_overrides import (
     check_run_overrides,
-    finished_message,
     finished_results,
     hydra_task_overrides,
     override_dirname_excludes,
     planned_epochs,
+    say_finished,
 )
 from recipes.task import RunLabels
 from recipes.tasks import task_for
@@ -351,13 +350,11 @@ def _finished_run(out_dir: Path, trainer: DictConfig) -> dict[str, Any] | None:
     """The results of the run in ``out_dir`` if it has finished (saying so), else None.
 
     To the console only: in a sweep the job's log file is open, and a finished run's files
-    stay byte-identical. Under DDP by rank 0 alone: every rank finds the run finished, and
-    the console printed the same line once per rank."""
+    stay byte-identical (``say_finished``: under DDP by rank 0 alone)."""
     finished = finished_results(out_dir, trainer)
     if finished is None:
         return None
-    if launch_rank() == 0:
-        print(finished_message(out_dir, finished, trainer), flush=True)
+    say_finished(out_dir, finished, trainer)
     return finished.to_dict()
 
 

@@ -43,7 +43,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
-from amp_utils.distributed import launch_rank
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults
 from recipes.config import ConfigError
 from recipes.error_analysis import TEST_ERRORS_FILE
@@ -51,10 +50,10 @@ from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, swe
 from recipes.run_overrides import (
     RUN_OVERRIDES_FILE,
     check_run_overrides,
-    finished_message,
     finished_results,
     hydra_task_overrides,
     override_dirname_excludes,
+    say_finished,
 )
 from recipes.sweep_jobs import (
     NO_OUTPUT_SUBDIR,
@@ -217,8 +216,7 @@ class RunFolderCallback(Callback):
             sys.exit(f"error: {err}")
         results = finished_results(run_dir, task_cfg.trainer)
         if results is not None:
-            if launch_rank() == 0:  # every DDP rank gets here: one line, not one per rank
-                print(finished_message(run_dir, results, task_cfg.trainer))
+            say_finished(run_dir, results, task_cfg.trainer)
             sys.exit(0)
         problem = folder_problem(run_dir, "hydra.run.dir")
         if problem is not None:

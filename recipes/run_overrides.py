@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from amp_utils.distributed import launch_rank
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from recipes.config import ConfigError
 
@@ -178,6 +179,13 @@ def finished_message(run_dir: Path, results: RunResults, trainer: Any) -> str:
         f"results are in {run_dir / RESULTS_FILE}. Nothing was changed. To train it "
         f"further, raise {key} (e.g. {key}={completed + 1 if completed else 1})."
     )
+
+
+def say_finished(run_dir: Path, results: RunResults, trainer: Any) -> None:
+    """Print ``finished_message`` to the console, from rank 0 alone: under DDP every rank
+    finds the run finished, and the console printed the same line once per rank."""
+    if launch_rank() == 0:
+        print(finished_message(run_dir, results, trainer), flush=True)
 
 
 def hydra_task_overrides() -> list[str] | None:
