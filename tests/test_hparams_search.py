@@ -131,3 +131,55 @@ def test_a_choice_an_optuna_search_cannot_compose_is_refused_before_its_first_tr
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert message in result.stderr and not sweep_dir.exists()
+
+
+def test_folder_names_over_255_bytes_are_cut_with_a_hash_of_the_whole_name():
+    """Run and sweep job folders are named by their overrides: a long list of them (an
+    Optuna search names its jobs by every override) ended in "File name too long"."""
+    from recipes.resolvers import run_name
+    from recipes.sweep_jobs import numbered_folder
+
+    items = [f"data.wave_augment.speeds=[0.9,0.95,1.0,1.05,1.{i}]" for i in range(10)]
+    long_name = ",".join(items)
+    assert len(long_name.encode()) > 255
+    for name in (run_name(long_name), numbered_folder(12, long_name)):
+        assert len(name.encode()) <= 255
+        assert re.fullmatch(r".*\]\.\.[0-9a-f]{12}", name)  # whole items, then the hash
+    assert numbered_folder(12, long_name).startswith("12_data.wave_augment.speeds=")
+    assert run_name(long_name) == run_name(long_name)  # a rerun finds its folder
+    other = long_name[:-2] + "8]"  # differs only in its last, cut, item
+    assert run_name(other) != run_name(long_name)
+    assert run_name("model.lr=0.001,seed=2") == "model.lr=0.001,seed=2"  # short: unchanged
+    assert run_name("") == "default" and run_name("a/b=1") == "a_b=1"
+    assert len(run_name("é" * 200).encode()) <= 255  # bytes, never half a character
+
+
+def test_an_optuna_search_with_many_overrides_runs_in_folders_of_255_bytes(tmp_path, fsdd_root):
+    """The Optuna sweeper names a job by all its overrides: with a few more on the command
+    line the name passed 255 bytes and the search ended in a traceback at its first trial."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        [
+            "-m",
+            "model=xvector",
+            "hparams_search=speaker_optuna",
+            "hydra.sweeper.n_trials=1",
+            *FAST,
+            "trainer.debug_epochs=1",
+            "data.wave_augment.speeds=[0.9,0.95,1.0,1.05,1.1]",
+            "data.wave_augment.noise_prob=0.5",
+            "model.weight_decay=0.01",
+            "trainer.max_grad_norm=5.0",
+            "data.max_batch_seconds=7",
+            f"data.root={fsdd_root}",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        fsdd_root,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (job,) = [p for p in sweep_dir.iterdir() if p.is_dir()]
+    assert job.name.startswith("0_") and len(job.name.encode()) <= 255
+    assert (job / "results.json").is_file()
