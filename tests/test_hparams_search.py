@@ -173,6 +173,7 @@ def test_an_optuna_search_with_many_overrides_runs_in_folders_of_255_bytes(tmp_p
             "model.weight_decay=0.01",
             "trainer.max_grad_norm=5.0",
             "data.max_batch_seconds=7",
+            "model.dropout=interval(0.0,1.0)",  # 1.0 is refused, but never drawn
             f"data.root={fsdd_root}",
             f"data.prepared_dir={tmp_path / 'prepared'}",
             f"hydra.sweep.dir={sweep_dir}",
@@ -183,3 +184,43 @@ def test_an_optuna_search_with_many_overrides_runs_in_folders_of_255_bytes(tmp_p
     (job,) = [p for p in sweep_dir.iterdir() if p.is_dir()]
     assert job.name.startswith("0_") and len(job.name.encode()) <= 255
     assert (job / "results.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        (
+            "model.lr=interval(-0.001,0.001)",
+            "error: the sweep's model.lr=interval(-0.001,0.001) can draw model.lr=-0.001, which "
+            "is refused: model.lr=-0.001 is not valid; it must be a positive number",
+        ),
+        (  # the preset's search space, replaced
+            'hydra.sweeper.params={model.lr:"tag(log,interval(3e-4,3e-3))",'
+            'model.dropout:"interval(0.5,1.5)"}',
+            "error: the sweep's model.dropout=interval(0.5,1.5) can draw model.dropout=1.499999, "
+            "which is refused: model=xvector: dropout probability has to be between 0 and 1",
+        ),
+        (
+            'hydra.sweeper.params={model.lr:"tag(log,interval(0,3e-3))"}',
+            "error: the sweep's model.lr=tag(log,interval(0,3e-3)) is refused: a log interval "
+            "needs a low end above 0 (got 0.0).",
+        ),
+    ],
+)
+def test_a_search_space_that_can_draw_a_refused_value_is_refused_before_its_first_trial(
+    tmp_path, fsdd_root, space, message
+):
+    """An interval (on the command line or in the sweeper's params: a preset's search
+    space) was not checked: each trial that drew a refused value failed, and a log interval
+    from 0 ended the search in Optuna's traceback."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        ["-m", "model=xvector", "hparams_search=speaker_optuna", space, *FAST]
+        + ["hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep_dir}"],
+        fsdd_root,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert message in result.stderr and "No trial has run" in result.stderr
+    assert not any(p.is_dir() for p in sweep_dir.glob("*"))  # no trial folder
