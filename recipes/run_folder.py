@@ -47,7 +47,13 @@ from amp_utils.atomic import atomic_write_text
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults
 from recipes.config import ConfigError, validate_config
 from recipes.error_analysis import TEST_ERRORS_FILE
-from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
+from recipes.preflight import (
+    USER_ERRORS,
+    check_sweep_direction,
+    preflight,
+    sweeper_direction,
+    sweeper_storage_problem,
+)
 from recipes.run_overrides import (
     RUN_OVERRIDES_FILE,
     check_run_overrides,
@@ -246,6 +252,9 @@ class RunFolderCallback(Callback):
             check_sweep_direction(task_cfg, sweeper_direction(config.hydra.sweeper))
         except USER_ERRORS as err:
             sys.exit(f"error: {err}")
+        problem = sweeper_storage_problem(config.hydra.sweeper.get("storage"))
+        if problem is not None:
+            sys.exit(f"error: {problem}")
         if "params" in config.hydra.sweeper:  # a sweeper that draws trials (Optuna)
             problem = sweep_choice_problem(config)
             if problem is not None:

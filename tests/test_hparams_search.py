@@ -224,3 +224,41 @@ def test_a_search_space_that_can_draw_a_refused_value_is_refused_before_its_firs
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert message in result.stderr and "No trial has run" in result.stderr
     assert not any(p.is_dir() for p in sweep_dir.glob("*"))  # no trial folder
+
+
+def test_a_study_database_optuna_2_cannot_open_is_named_with_its_fix():
+    """Optuna 2 (hydra-optuna-sweeper 1.2 requires it) with SQLAlchemy 2 ended a search with
+    ``storage: sqlite:///...`` at its start in an AssertionError traceback."""
+    from recipes.preflight import sweeper_storage_problem
+
+    versions = {"optuna": "2.10.1", "sqlalchemy": "2.1.9"}
+    problem = sweeper_storage_problem("sqlite:///s.db", versions.get)
+    assert problem.startswith("hydra.sweeper.storage=sqlite:///s.db needs SQLAlchemy 1.x")
+    assert 'pip install "sqlalchemy<2" "alembic<1.14"' in problem and "\n" not in problem
+    assert sweeper_storage_problem(None, versions.get) is None  # in memory
+    for fine in ({"sqlalchemy": "1.4.54"}, {"optuna": "3.6.1"}):  # SQLAlchemy 1, Optuna 3
+        assert sweeper_storage_problem("sqlite:///s.db", {**versions, **fine}.get) is None
+
+
+def _sqlalchemy_major() -> int:
+    from importlib import metadata
+
+    return int(metadata.version("sqlalchemy").split(".")[0])
+
+
+def test_an_optuna_search_on_a_database_it_cannot_open_is_refused_in_one_line(tmp_path, fsdd_root):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    if _sqlalchemy_major() < 2:
+        pytest.skip("SQLAlchemy 1.x opens the study's database")
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        ["-m", "model=xvector", "hparams_search=speaker_optuna", *FAST]
+        + [f"hydra.sweeper.storage=sqlite:///{tmp_path / 'study.db'}"]
+        + [f"hydra.sweep.dir={sweep_dir}"],
+        fsdd_root,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "error: hydra.sweeper.storage=sqlite:///" in result.stderr
+    assert not (tmp_path / "study.db").exists()
+    assert not any(p.is_dir() for p in sweep_dir.glob("*"))  # no trial folder
