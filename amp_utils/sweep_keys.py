@@ -13,6 +13,7 @@ are sweeps (``a=1,2``, ``range(...)``, ``choice(...)``, ``glob(...)``) and the k
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -25,6 +26,37 @@ MULTIRUN_FILE = "multirun.yaml"
 #: A "," that starts a new ``key=value`` item of Hydra's ``override_dirname`` (not one
 #: inside a list value such as ``data.test_speakers=[george,jackson]``).
 _ITEM_START = re.compile(r",(?=[+~]*[\w@./-]+=)")
+
+
+#: The longest file or folder name most filesystems take (ext4, XFS, btrfs, APFS: 255 bytes).
+FOLDER_NAME_MAX_BYTES = 255
+#: The hex digits of the full name's hash a shortened name ends with.
+_DIGEST_CHARS = 12
+
+
+def fit_folder_name(name: str, max_bytes: int = FOLDER_NAME_MAX_BYTES) -> str:
+    """``name`` if it fits in ``max_bytes`` bytes (UTF-8), else its start and a hash of it all.
+
+    A run or sweep job folder is named by its overrides, and a few list-valued overrides or
+    an Optuna search (whose job names hold every override) made a name over 255 bytes: the
+    run ended in ``[Errno 36] File name too long``, a search at its first trial. A shortened
+    name keeps as many whole ``key=value`` items as fit, then ``..`` and 12 hex digits of
+    the full name's SHA-256: the same overrides always give the same folder (a rerun resumes
+    it) and different ones a different folder. Names that fit are unchanged.
+    """
+    encoded = name.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:_DIGEST_CHARS]
+    tail = f"..{digest}"
+    room = max_bytes - len(tail)
+    if room <= 0:
+        raise ValueError(f"max_bytes={max_bytes} leaves no room for a name")
+    head = encoded[:room].decode("utf-8", errors="ignore")  # never half a character
+    starts = [match.start() for match in _ITEM_START.finditer(head)]
+    if starts:  # the last item may be cut in two: whole items only
+        head = head[: starts[-1]]
+    return f"{head}{tail}"
 
 
 def override_items(override_dirname: str) -> list[str]:

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from amp_utils.sweep_keys import sweep_job_name
+from amp_utils.sweep_keys import fit_folder_name, sweep_job_name
 from recipes.config import config_help, on_cuda
 from recipes.sweep_jobs import sweep_job_folder
+
+
+def run_name(overrides: str | None) -> str:
+    """A run folder's name from its overrides (Hydra's ``override_dirname``): ``default``
+    without any, ``/`` made ``_``, at most 255 bytes (``fit_folder_name``)."""
+    return fit_folder_name((overrides or "default").replace("/", "_"))
 
 
 def register_resolvers() -> None:
     """Register ``${run_name:...}`` (overrides as a folder name), ``${sweep_job_name:...}``,
     ``${sweep_job_folder:...}``, ``${on_cuda:...}`` and ``${config_help:}``."""
     if not OmegaConf.has_resolver("run_name"):
-        OmegaConf.register_new_resolver(
-            "run_name", lambda overrides: (overrides or "default").replace("/", "_")
-        )
+        OmegaConf.register_new_resolver("run_name", run_name)
     if not OmegaConf.has_resolver("sweep_job_name"):
         # ${sweep_job_name:${hydra.sweep.dir},${hydra.job.override_dirname}}: a sweep job's
         # folder (TensorBoard run) named by the keys the sweep varies.

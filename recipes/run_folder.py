@@ -26,6 +26,7 @@ import copy
 import errno
 import logging
 import logging.handlers
+import math
 import os
 import shutil
 import sys
@@ -44,9 +45,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults
-from recipes.config import ConfigError
+from recipes.config import ConfigError, validate_config
 from recipes.error_analysis import TEST_ERRORS_FILE
-from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
+from recipes.preflight import (
+    USER_ERRORS,
+    check_sweep_direction,
+    preflight,
+    sweeper_direction,
+    sweeper_storage_problem,
+)
 from recipes.run_overrides import (
     RUN_OVERRIDES_FILE,
     check_run_overrides,
@@ -117,6 +124,28 @@ def _task_config(config: DictConfig) -> DictConfig:
     return task_cfg
 
 
+def _drawn_ends(override: Any) -> list[Any]:
+    """The values an Optuna sweeper may draw that bound an interval or a range: an
+    interval's low end and a value a millionth of its width below its high end (never
+    drawn); a range's start and its last step at or below its stop (which Optuna draws too,
+    unlike Hydra's ``range``). Empty for other overrides (a choice's values are listed one
+    by one)."""
+    value = override.value()
+    if override.is_interval_sweep():
+        low, high = float(value.start), float(value.end)
+        below = float(f"{high - (high - low) * 1e-6:.15g}")  # short enough to read
+        return [low, below if low < below < high else math.nextafter(high, low)]
+    if override.is_range_sweep() and not value.shuffle:
+        start, stop, step = value.start, value.stop, value.step
+        if not step or (stop - start) / step < 0:
+            return [start]
+        last = start + math.floor((stop - start) / step) * step
+        if all(isinstance(v, int) for v in (start, stop, step)):
+            return [start, int(last)]
+        return [start, last]
+    return []
+
+
 def sweep_choice_problem(config: DictConfig) -> str | None:
     """What is wrong with a value a trial-drawing sweeper could choose, or None.
 
@@ -125,19 +154,30 @@ def sweep_choice_problem(config: DictConfig) -> str | None:
     composes each trial when it draws it: a typo in a ``choice(...)`` (on the command line
     or in ``hydra.sweeper.params``) ended the sweep at the first trial that drew it, after
     the earlier ones had trained. Each choice is composed here once, beside the first
-    choice of every other discrete sweep (intervals keep their config value).
+    choice of every other discrete sweep.
+
+    A value that composes but that ``validate_config`` refuses (``model.lr`` below 0, a
+    dropout of 1.5) made each trial that drew it fail, and with ``tag(log, ...)`` below 0
+    Optuna ended the search in a traceback: each choice and the ends of each interval and
+    range (``_drawn_ends``) are validated too, beside the config's values of the other
+    searched keys and beside the first and the last values of theirs; a value refused
+    beside all of them, for its own key, is the problem. The sweeper's ``params`` (a
+    preset's search space, ``hydra.sweeper.params`` overrides) are checked with the
+    command line's sweeps, which take their place for the same key, as in the sweeper.
     """
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     params = config.hydra.sweeper.get("params") or {}
-    texts = [str(o) for o in config.hydra.overrides.task]
-    texts += [f"{key}={value}" for key, value in params.items()]
+    # the sweeper's order: its params, then the command line (the last one of a key wins)
+    texts = [f"{key}={value}" for key, value in params.items()]
+    texts += [str(o) for o in config.hydra.overrides.task]
     parsed = OverridesParser.create().parse_overrides(texts)
-    plain = [text for text, o in zip(texts, parsed, strict=True) if not o.is_sweep_override()]
+    by_key = {o.get_key_element(): (text, o) for text, o in zip(texts, parsed, strict=True)}
+    plain = [text for text, o in by_key.values() if not o.is_sweep_override()]
     choices = {
-        o.get_key_element(): list(o.sweep_string_iterator())
-        for o in parsed
+        key: list(o.sweep_string_iterator())
+        for key, (_, o) in by_key.items()
         if o.is_discrete_sweep()
     }
     loader = GlobalHydra.instance().config_loader()
@@ -151,6 +191,46 @@ def sweep_choice_problem(config: DictConfig) -> str | None:
                 if err.__cause__ is not None:  # "Error merging override ...": and why
                     reason += f" ({str(err.__cause__).splitlines()[0]})"
                 return f"the sweep's {key}={value} does not compose: {reason}"
+    drawn: dict[str, list[str]] = {}  # each searched key: the values to validate
+    for key, (text, override) in by_key.items():
+        log_interval = override.is_interval_sweep() and "log" in override.value().tags
+        if log_interval and float(override.value().start) <= 0:
+            return (
+                f"the sweep's {text} is refused: a log interval needs a low end above 0 "
+                f"(got {override.value().start})."
+            )
+        ends = [f"{key}={value!r}" for value in _drawn_ends(override)]
+        if key in choices and not ends:  # a choice, a shuffled range: every value
+            ends = [f"{key}={value}" for value in choices[key]]
+        if ends:
+            drawn[key] = ends
+    for key, values in drawn.items():
+        others = [v for k, v in drawn.items() if k != key]
+        besides = [[], [v[0] for v in others], [v[-1] for v in others]]
+        for value in values:
+            reasons = [_validation_problem(loader, config, [*plain, *b, value]) for b in besides]
+            reason = reasons[0]
+            if reason is None or None in reasons:
+                continue
+            own = reason.startswith((f"{key}=", f"{key}:", f"{key} ")) or (
+                key.rsplit(".", 1)[-1] in reason
+            )
+            if own:
+                return f"the sweep's {by_key[key][0]} can draw {value}, which is refused: {reason}"
+    return None
+
+
+def _validation_problem(loader: Any, config: DictConfig, overrides: list[str]) -> str | None:
+    """What ``validate_config`` says of the trial of ``overrides`` (None: it runs, or it
+    does not compose, which the choices' check and Hydra report)."""
+    try:
+        trial = loader.load_sweep_config(config, overrides)
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        validate_config(_task_config(trial))
+    except USER_ERRORS as err:
+        return str(err)
     return None
 
 
@@ -172,10 +252,16 @@ class RunFolderCallback(Callback):
             check_sweep_direction(task_cfg, sweeper_direction(config.hydra.sweeper))
         except USER_ERRORS as err:
             sys.exit(f"error: {err}")
+        problem = sweeper_storage_problem(config.hydra.sweeper.get("storage"))
+        if problem is not None:
+            sys.exit(f"error: {problem}")
         if "params" in config.hydra.sweeper:  # a sweeper that draws trials (Optuna)
             problem = sweep_choice_problem(config)
             if problem is not None:
-                sys.exit(f"error: {problem}")
+                sys.exit(
+                    f"error: {problem} No trial has run: correct the search space and start "
+                    "the search again."
+                )
         take_sweep_job_hydra_files(config)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:

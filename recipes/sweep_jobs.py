@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from amp_utils.atomic import atomic_write_text
 from amp_utils.distributed import launch_rank, lost_a_peer, lost_a_peer_message
 from amp_utils.interruption import RESUME_HINT, TrainingInterrupted
+from amp_utils.sweep_keys import fit_folder_name
 from amp_utils.sweep_summary import (
     JOB_STATUS_FILE,
     MULTIRUN_ID_ENV,
@@ -109,6 +110,12 @@ def job_folder_overrides(job_dir: Path) -> list[str] | None:
     return override_list(job_dir / subdir / "overrides.yaml")
 
 
+def numbered_folder(number: Any, name: str) -> str:
+    """A sweep job folder's name, ``{number}_{name}``, cut to the 255 bytes a folder name
+    may have (``fit_folder_name``: the number and the start stay, a hash ends it)."""
+    return fit_folder_name(f"{number}_{name}")
+
+
 def _folder_number(folder: Path) -> int | None:
     match = _NUMBERED_FOLDER.match(folder.name)
     return int(match.group(1)) if match else None
@@ -158,7 +165,7 @@ def choose_sweep_job_folder(
         taken = multirun is not None and claims[folder] == (multirun, num)
         if taken and (recorded[folder] is None or continues(folder)):
             return folder.name
-    natural = f"{num}_{name}"
+    natural = numbered_folder(num, name)
     matching = [f for f in folders if not taken_by_another(f) and continues(f)]  # 2.
     if matching:
         return min(
@@ -178,7 +185,7 @@ def choose_sweep_job_folder(
             by_number.setdefault(number, []).append(folder)
     number = num  # 3.
     while True:
-        candidate = f"{number}_{name}"
+        candidate = numbered_folder(number, name)
         if all(
             f.name == candidate and recorded[f] is None and not taken_by_another(f)
             for f in by_number.get(number, [])
@@ -221,7 +228,7 @@ def sweep_job_folder(num: Any, name: str, *, _root_: DictConfig) -> str:
     without a job number: ``{num}_{name}``.
     """
     hydra = _root_.hydra
-    natural = f"{num}_{name}"
+    natural = fit_folder_name(f"{num}_{name}")
     number = _job_number(num)
     mode = OmegaConf.select(hydra, "mode", default=None)
     if number is None or getattr(mode, "name", str(mode)) != "MULTIRUN":
