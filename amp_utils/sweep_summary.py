@@ -30,7 +30,13 @@ from omegaconf import DictConfig, OmegaConf
 from amp_utils.atomic import atomic_path, atomic_write_text
 from amp_utils.distributed import launch_rank
 from amp_utils.interruption import run_phase
-from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults, metric_label
+from amp_utils.run_results import (
+    EARLIER_RECORDS_DIR,
+    PERCENT_METRICS,
+    RESULTS_FILE,
+    RunResults,
+    metric_label,
+)
 from amp_utils.sweep_keys import MULTIRUN_FILE, item_key, precision_first, swept_keys
 from amp_utils.tensorboard import TENSORBOARD_DIR, write_sweep_experiment
 
@@ -229,11 +235,15 @@ def _collapsed_cell(collapsed: dict[str, Any] | None) -> str:
 def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Table rows (all values formatted as strings) in the order of ``runs``."""
     metric_names: list[str] = []
+    valid_names: list[str] = []  # in percent only: the figure a search picks its trial by
     for run in runs:
         if run["results"] is not None:
             for name in run["results"].test_metrics or {}:
                 if name not in metric_names:
                     metric_names.append(name)
+            for name in run["results"].valid_metrics or {}:
+                if name in PERCENT_METRICS and name not in valid_names:
+                    valid_names.append(name)
 
     fp32_speed: dict[tuple, float] = {}
     for run in runs:
@@ -244,13 +254,13 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
                 key = (_comparison_key(run), _rated_without_warmup(results))
                 fp32_speed.setdefault(key, float(speed))
 
+    valid_columns = {name: metric_label(name, "valid ") for name in valid_names}
     metric_columns = {name: metric_label(name) for name in metric_names}  # "test CER %"
+    columns = (*_LEADING_COLUMNS, *valid_columns.values(), *metric_columns.values())
     rows = []
     for run in runs:
         results = run["results"]
-        row = dict.fromkeys(
-            (*_LEADING_COLUMNS, *metric_columns.values(), *_TRAILING_COLUMNS), MISSING
-        )
+        row = dict.fromkeys((*columns, *_TRAILING_COLUMNS), MISSING)
         row["run"] = run["name"]
         if results is None:
             row["status"] = "failed"
@@ -263,6 +273,8 @@ def _build_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
         row["model"] = _format_number(results.model)
         row["data"] = _format_number(results.data)
         row["processes"] = str(results.world_size)  # DDP ranks
+        for name, column in valid_columns.items():  # the tested weights' validation
+            row[column] = _format_number((results.valid_metrics or {}).get(name))
         metrics = results.test_metrics or {}
         for name, column in metric_columns.items():
             row[column] = _format_number(metrics.get(name))

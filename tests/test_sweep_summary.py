@@ -618,3 +618,28 @@ def test_a_sweep_run_again_into_its_folder_keeps_the_earlier_summary(
     texts = [p.read_text() for p in sweep.iterdir() if p.is_file()]
     lost = [name for name, text in earlier.items() if text not in texts]
     assert not lost, lost
+
+
+def test_the_validation_figures_a_search_optimised_stand_beside_the_test_figures(
+    tmp_path: Path,
+) -> None:
+    """A hyperparameter search picks its trial by the validation figure train.py returns;
+    the summary showed test figures alone, so the trial Optuna named best could not be found
+    in it (and a reader picked by test). The validation figures of the tested checkpoint
+    stand before the test ones, in percent (a loss stays out: the test's is there)."""
+    for index, cer in enumerate((4.5, 2.25)):
+        overrides = [f"model.lr={0.001 * (index + 1)}"]
+        results = _results("fp32", overrides)
+        results["valid_metrics"] = {"CER": cer, "WER": 2 * cer, "loss": 0.3}
+        _write_job(tmp_path, str(index), overrides, results)
+    _write_job(tmp_path, "2", ["model.lr=1"], None)  # a failed trial
+
+    rows = summarize_sweep(tmp_path)
+
+    columns = list(rows[0])
+    assert columns.index("valid CER %") < columns.index("test CER %")
+    assert "valid WER %" in columns and "valid loss" not in columns
+    by_run = {row["run"]: row for row in rows}
+    assert by_run["0"]["valid CER %"] == "4.50" and by_run["1"]["valid CER %"] == "2.25"
+    assert by_run["1"]["valid WER %"] == "4.50"
+    assert by_run["2"]["valid CER %"] == "—"
