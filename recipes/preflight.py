@@ -10,8 +10,6 @@ the entry points report as one line without a traceback. The Hydra callback of
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from importlib import metadata
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -81,43 +79,6 @@ def sweeper_direction(sweeper: DictConfig) -> str | None:
     if isinstance(direction, list | tuple) or OmegaConf.is_list(direction):
         return str(direction[0]) if len(direction) == 1 else None
     return str(direction) if direction is not None else None
-
-
-def _installed_version(package: str) -> str | None:
-    """The installed version of a distribution (None when it is not installed)."""
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def sweeper_storage_problem(
-    storage: object, version: Callable[[str], str | None] = _installed_version
-) -> str | None:
-    """What stops the Optuna sweeper from opening its study's database, or None.
-
-    hydra-optuna-sweeper 1.2 requires Optuna < 3, and Optuna 2 cannot open a database
-    (``hydra.sweeper.storage=sqlite:///...``) with SQLAlchemy 2: the search ended at its
-    start in an ``AssertionError`` traceback of Optuna's schema check. ``storage`` null (in
-    memory) needs no database.
-
-    Args:
-        storage: ``hydra.sweeper.storage``.
-        version: the installed version of a distribution (for tests).
-    """
-    if storage is None or not isinstance(storage, str):
-        return None
-    optuna, sqlalchemy = version("optuna"), version("sqlalchemy")
-    if optuna is None or sqlalchemy is None:
-        return None
-    if int(optuna.split(".")[0]) >= 3 or int(sqlalchemy.split(".")[0]) < 2:
-        return None
-    return (
-        f"hydra.sweeper.storage={storage} needs SQLAlchemy 1.x: Optuna {optuna} (which "
-        f"hydra-optuna-sweeper 1.2 requires) cannot open a database with SQLAlchemy "
-        f'{sqlalchemy}. Fix: pip install "sqlalchemy<2" "alembic<1.14" (what '
-        'pip install -e ".[sweep]" installs), or hydra.sweeper.storage=null (in memory).'
-    )
 
 
 def check_sweep_direction(cfg: DictConfig, direction: str | None) -> None:

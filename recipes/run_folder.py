@@ -26,7 +26,6 @@ import copy
 import errno
 import logging
 import logging.handlers
-import math
 import os
 import shutil
 import sys
@@ -45,15 +44,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from amp_utils.atomic import atomic_write_text
 from amp_utils.run_results import EARLIER_RECORDS_DIR, RESULTS_FILE, RunResults
-from recipes.config import ConfigError, validate_config
+from recipes.config import ConfigError
 from recipes.error_analysis import TEST_ERRORS_FILE
-from recipes.preflight import (
-    USER_ERRORS,
-    check_sweep_direction,
-    preflight,
-    sweeper_direction,
-    sweeper_storage_problem,
-)
+from recipes.preflight import USER_ERRORS, check_sweep_direction, preflight, sweeper_direction
 from recipes.run_overrides import (
     RUN_OVERRIDES_FILE,
     check_run_overrides,
@@ -62,6 +55,7 @@ from recipes.run_overrides import (
     override_dirname_excludes,
     say_finished,
 )
+from recipes.search_space import search_problem, task_config
 from recipes.sweep_jobs import (
     NO_OUTPUT_SUBDIR,
     sweep_job_output_subdir,
@@ -116,124 +110,6 @@ class _TakenOver:
 _taken_over: _TakenOver | None = None
 
 
-def _task_config(config: DictConfig) -> DictConfig:
-    """A callback's config without its ``hydra`` node: what the task function gets."""
-    task_cfg = copy.deepcopy(config)
-    with read_write(task_cfg), open_dict(task_cfg):
-        del task_cfg["hydra"]
-    return task_cfg
-
-
-def _drawn_ends(override: Any) -> list[Any]:
-    """The values an Optuna sweeper may draw that bound an interval or a range: an
-    interval's low end and a value a millionth of its width below its high end (never
-    drawn); a range's start and its last step at or below its stop (which Optuna draws too,
-    unlike Hydra's ``range``). Empty for other overrides (a choice's values are listed one
-    by one)."""
-    value = override.value()
-    if override.is_interval_sweep():
-        low, high = float(value.start), float(value.end)
-        below = float(f"{high - (high - low) * 1e-6:.15g}")  # short enough to read
-        return [low, below if low < below < high else math.nextafter(high, low)]
-    if override.is_range_sweep() and not value.shuffle:
-        start, stop, step = value.start, value.stop, value.step
-        if not step or (stop - start) / step < 0:
-            return [start]
-        last = start + math.floor((stop - start) / step) * step
-        if all(isinstance(v, int) for v in (start, stop, step)):
-            return [start, int(last)]
-        return [start, last]
-    return []
-
-
-def sweep_choice_problem(config: DictConfig) -> str | None:
-    """What is wrong with a value a trial-drawing sweeper could choose, or None.
-
-    Hydra's basic sweeper composes every job before the first one runs, so a typo in
-    ``precision=fp32,bf61`` fails at once. A sweeper that draws its trials (Optuna)
-    composes each trial when it draws it: a typo in a ``choice(...)`` (on the command line
-    or in ``hydra.sweeper.params``) ended the sweep at the first trial that drew it, after
-    the earlier ones had trained. Each choice is composed here once, beside the first
-    choice of every other discrete sweep.
-
-    A value that composes but that ``validate_config`` refuses (``model.lr`` below 0, a
-    dropout of 1.5) made each trial that drew it fail, and with ``tag(log, ...)`` below 0
-    Optuna ended the search in a traceback: each choice and the ends of each interval and
-    range (``_drawn_ends``) are validated too, beside the config's values of the other
-    searched keys and beside the first and the last values of theirs; a value refused
-    beside all of them, for its own key, is the problem. The sweeper's ``params`` (a
-    preset's search space, ``hydra.sweeper.params`` overrides) are checked with the
-    command line's sweeps, which take their place for the same key, as in the sweeper.
-    """
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params = config.hydra.sweeper.get("params") or {}
-    # the sweeper's order: its params, then the command line (the last one of a key wins)
-    texts = [f"{key}={value}" for key, value in params.items()]
-    texts += [str(o) for o in config.hydra.overrides.task]
-    parsed = OverridesParser.create().parse_overrides(texts)
-    by_key = {o.get_key_element(): (text, o) for text, o in zip(texts, parsed, strict=True)}
-    plain = [text for text, o in by_key.values() if not o.is_sweep_override()]
-    choices = {
-        key: list(o.sweep_string_iterator())
-        for key, (_, o) in by_key.items()
-        if o.is_discrete_sweep()
-    }
-    loader = GlobalHydra.instance().config_loader()
-    for key, values in choices.items():
-        for value in values:
-            others = [f"{k}={v[0]}" for k, v in choices.items() if k != key and v]
-            try:
-                loader.load_sweep_config(config, [*plain, *others, f"{key}={value}"])
-            except Exception as err:  # Hydra's composition errors, schema validation
-                reason = str(err).split("\nConfig search path:")[0].strip()  # Hydra's listing
-                if err.__cause__ is not None:  # "Error merging override ...": and why
-                    reason += f" ({str(err.__cause__).splitlines()[0]})"
-                return f"the sweep's {key}={value} does not compose: {reason}"
-    drawn: dict[str, list[str]] = {}  # each searched key: the values to validate
-    for key, (text, override) in by_key.items():
-        log_interval = override.is_interval_sweep() and "log" in override.value().tags
-        if log_interval and float(override.value().start) <= 0:
-            return (
-                f"the sweep's {text} is refused: a log interval needs a low end above 0 "
-                f"(got {override.value().start})."
-            )
-        ends = [f"{key}={value!r}" for value in _drawn_ends(override)]
-        if key in choices and not ends:  # a choice, a shuffled range: every value
-            ends = [f"{key}={value}" for value in choices[key]]
-        if ends:
-            drawn[key] = ends
-    for key, values in drawn.items():
-        others = [v for k, v in drawn.items() if k != key]
-        besides = [[], [v[0] for v in others], [v[-1] for v in others]]
-        for value in values:
-            reasons = [_validation_problem(loader, config, [*plain, *b, value]) for b in besides]
-            reason = reasons[0]
-            if reason is None or None in reasons:
-                continue
-            own = reason.startswith((f"{key}=", f"{key}:", f"{key} ")) or (
-                key.rsplit(".", 1)[-1] in reason
-            )
-            if own:
-                return f"the sweep's {by_key[key][0]} can draw {value}, which is refused: {reason}"
-    return None
-
-
-def _validation_problem(loader: Any, config: DictConfig, overrides: list[str]) -> str | None:
-    """What ``validate_config`` says of the trial of ``overrides`` (None: it runs, or it
-    does not compose, which the choices' check and Hydra report)."""
-    try:
-        trial = loader.load_sweep_config(config, overrides)
-    except Exception:  # noqa: BLE001
-        return None
-    try:
-        validate_config(_task_config(trial))
-    except USER_ERRORS as err:
-        return str(err)
-    return None
-
-
 class RunFolderCallback(Callback):
     """Hydra callback: check a single run before Hydra writes into its folder.
 
@@ -241,10 +117,11 @@ class RunFolderCallback(Callback):
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Refuse a sweeper that would tune the wrong way, or a choice it would draw that
-        does not compose, before its first trial (each trial would be refused the same
-        way, after the sweep had started)."""
-        task_cfg = _task_config(config)
+        """Refuse a sweep folder that cannot be made, a sweeper that would tune the wrong
+        way, or a search that cannot run as asked (``search_problem``: its database, its
+        number of trials, a value it could draw), before its first trial (each trial would
+        be refused the same way, after the sweep had started)."""
+        task_cfg = task_config(config)
         problem = folder_problem(Path(str(config.hydra.sweep.dir)), "hydra.sweep.dir")
         if problem is not None:
             sys.exit(f"error: {problem}")
@@ -252,16 +129,9 @@ class RunFolderCallback(Callback):
             check_sweep_direction(task_cfg, sweeper_direction(config.hydra.sweeper))
         except USER_ERRORS as err:
             sys.exit(f"error: {err}")
-        problem = sweeper_storage_problem(config.hydra.sweeper.get("storage"))
+        problem = search_problem(config)
         if problem is not None:
             sys.exit(f"error: {problem}")
-        if "params" in config.hydra.sweeper:  # a sweeper that draws trials (Optuna)
-            problem = sweep_choice_problem(config)
-            if problem is not None:
-                sys.exit(
-                    f"error: {problem} No trial has run: correct the search space and start "
-                    "the search again."
-                )
         take_sweep_job_hydra_files(config)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -280,7 +150,7 @@ class RunFolderCallback(Callback):
             )
         except ConfigError:
             return  # train() refuses the job and says why in train.log
-        task_cfg = _task_config(config)
+        task_cfg = task_config(config)
         if finished_results(run_dir, task_cfg.trainer) is not None:
             return  # train() says it has finished
         keep_finished_record(run_dir, subdir)  # trained further: before .hydra/ is the longer run's
@@ -289,7 +159,7 @@ class RunFolderCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""
         global _taken_over
-        task_cfg = _task_config(config)
+        task_cfg = task_config(config)
         run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         try:
             preflight(task_cfg)

@@ -226,10 +226,30 @@ def test_a_search_space_that_can_draw_a_refused_value_is_refused_before_its_firs
     assert not any(p.is_dir() for p in sweep_dir.glob("*"))  # no trial folder
 
 
+@pytest.mark.parametrize("count", [0, -3])
+def test_a_search_of_no_trials_is_refused_in_one_line(tmp_path, fsdd_root, count):
+    """``hydra.sweeper.n_trials=0`` ended in Optuna's ``ValueError: No trials are completed
+    yet`` traceback after the search had started (found by audit-search)."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "train.py",
+        ["-m", "model=xvector", "hparams_search=speaker_optuna", *FAST]
+        + [f"hydra.sweeper.n_trials={count}", f"hydra.sweep.dir={sweep_dir}"],
+        fsdd_root,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (
+        f"error: hydra.sweeper.n_trials={count}: a search needs at least one trial. "
+        "Fix: hydra.sweeper.n_trials=N with N of 1 or more." in result.stderr
+    )
+    assert not any(p.is_dir() for p in sweep_dir.glob("*"))  # no trial folder
+
+
 def test_a_study_database_optuna_2_cannot_open_is_named_with_its_fix():
     """Optuna 2 (hydra-optuna-sweeper 1.2 requires it) with SQLAlchemy 2 ended a search with
     ``storage: sqlite:///...`` at its start in an AssertionError traceback."""
-    from recipes.preflight import sweeper_storage_problem
+    from recipes.search_space import sweeper_storage_problem
 
     versions = {"optuna": "2.10.1", "sqlalchemy": "2.1.9"}
     problem = sweeper_storage_problem("sqlite:///s.db", versions.get)
