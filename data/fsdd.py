@@ -67,8 +67,8 @@ FSDD_RECORDINGS_SHA256 = "45a9b976ba3397a2fd5c70a9f2e43c34f442a3a6be47392ecfc411
 #: Seconds a download waits for the server: to connect, and for each read. Without it a
 #: stalled server (a dead proxy, a firewall swallowing the reply) hung the run for good.
 FSDD_DOWNLOAD_TIMEOUT_S = 60.0
-#: The release archive's size, about (MB): space needed is twice it (archive + unpack).
-FSDD_ARCHIVE_MB = 16
+#: Space a download needs (MB): the archive plus its unpacked recordings (~27 MB).
+FSDD_SPACE_MB = 50
 #: Errors of the target disk (full, read-only, no permission), not of the network.
 _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 _LOCK_NAME = ".fsdd-download.lock"
@@ -149,7 +149,7 @@ def _disk_error(err: BaseException) -> bool:
 def _unwritable(root: Path, err: OSError, needed_mb: float) -> DatasetNotFoundError:
     return DatasetNotFoundError(
         f"FSDD v{FSDD_VERSION} cannot be written into data.root={root} ({err}). Fix: free "
-        f"about {needed_mb:.0f} MB there (or make it writable) and re-run, or set "
+        f"about {max(needed_mb, 1):.0f} MB there (or make it writable) and re-run, or set "
         "data.root=PATH (or FSDD_ROOT=PATH) to a writable folder with space, or to a "
         "folder holding FSDD's complete recordings/."
     )
@@ -191,7 +191,7 @@ def _unpack_recordings(archive: Path, root: Path) -> Path:
                 tar.extractall(staging, members=members, filter="data")
         except (tarfile.TarError, OSError, EOFError) as err:
             if _disk_error(err):  # the archive is fine: keep it, it is not downloaded again
-                needed = (sum(m.size for m in members) or archive.stat().st_size * 2) / 1e6
+                needed = sum(m.size for m in members) / 1e6 or FSDD_SPACE_MB
                 raise _unwritable(root, err, needed) from None
             archive.unlink(missing_ok=True)
             raise DatasetNotFoundError(
@@ -325,7 +325,7 @@ def _download_and_unpack(root: Path) -> Path:
             _download(FSDD_URL, archive, FSDD_DOWNLOAD_TIMEOUT_S)
         except OSError as err:
             if _disk_error(err):
-                raise _unwritable(root, err, 2 * FSDD_ARCHIVE_MB) from None
+                raise _unwritable(root, err, FSDD_SPACE_MB) from None
             host = urllib.parse.urlsplit(FSDD_URL).netloc
             raise _not_found(
                 root,
@@ -375,14 +375,20 @@ def ensure_fsdd(root: str | Path, download: bool = True) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a read-only parent: it was a traceback
-        raise _not_found(root, f"the folder to download it into cannot be made ({err})") from None
+        if _disk_error(err):
+            raise _unwritable(root, err, FSDD_SPACE_MB) from None
+        raise _not_found(
+            root,
+            f"the folder to download it into cannot be made ({err})",
+            "or to a folder that can be made to download it into",
+        ) from None
     try:
         with _download_lock(root):
             return _download_and_unpack(root)
     except OSError as err:  # the lock file, moving folders: a full or read-only root
         if not _disk_error(err):
             raise
-        raise _unwritable(root, err, 2 * FSDD_ARCHIVE_MB) from None
+        raise _unwritable(root, err, FSDD_SPACE_MB) from None
     finally:
         for folder in created:  # a misspelled data.root leaves no folders behind
             with contextlib.suppress(OSError):  # not empty: the data, or someone else's

@@ -435,3 +435,20 @@ def test_a_full_disk_while_unpacking_keeps_the_archive_and_says_so(
     with pytest.raises(DatasetNotFoundError, match="does not hold the expected"):
         fsdd.ensure_fsdd(root)  # the 30-file archive is unpacked, not downloaded again
     assert len(release_server.requests) == 1
+
+
+def test_a_read_only_data_root_asks_for_a_writable_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data.root under a read-only folder: the fix said to allow the download, which was
+    allowed; it needs a folder that can be written to."""
+
+    def read_only(self: Path, *args, **kwargs) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(DatasetNotFoundError) as info:
+        fsdd.ensure_fsdd(tmp_path / "fsdd")
+    message = str(info.value)
+    assert "Read-only file system" in message and "writable" in message
+    assert "download" not in message.split("Fix:")[1], "the download was allowed"
