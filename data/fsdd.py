@@ -156,13 +156,22 @@ def _unwritable(root: Path, err: OSError, needed_mb: float) -> DatasetNotFoundEr
 
 
 def _is_recording(member: tarfile.TarInfo) -> bool:
-    parts = Path(member.name).parts
+    """A regular ``*/recordings/*.wav`` file that unpacks inside the staging folder."""
+    path = Path(member.name)
     return (
         member.isfile()
-        and len(parts) >= 3
-        and parts[-2] == "recordings"
-        and parts[-1].endswith(".wav")
+        and len(path.parts) >= 3
+        and path.parts[-2] == "recordings"
+        and path.parts[-1].endswith(".wav")
+        and not path.is_absolute()
+        and ".." not in path.parts
     )
+
+
+#: ``extractall``'s safe "data" filter where this Python has it (3.10.12+, 3.11.4+, 3.12):
+#: on 3.10.0-3.10.11 and 3.11.0-3.11.3 ``filter=`` was a TypeError traceback. Without it
+#: ``_is_recording`` alone keeps the members to regular files inside the staging folder.
+_EXTRACT_FILTER: dict[str, str] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
 
 
 def _moved_aside(folder: Path) -> Path:
@@ -188,7 +197,7 @@ def _unpack_recordings(archive: Path, root: Path) -> Path:
         try:
             with tarfile.open(archive, "r:*") as tar:
                 members = [m for m in tar.getmembers() if _is_recording(m)]
-                tar.extractall(staging, members=members, filter="data")
+                tar.extractall(staging, members=members, **_EXTRACT_FILTER)
         except (tarfile.TarError, OSError, EOFError) as err:
             if _disk_error(err):  # the archive is fine: keep it, it is not downloaded again
                 needed = sum(m.size for m in members) / 1e6 or FSDD_SPACE_MB

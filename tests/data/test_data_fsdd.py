@@ -452,3 +452,31 @@ def test_a_read_only_data_root_asks_for_a_writable_one(
     message = str(info.value)
     assert "Read-only file system" in message and "writable" in message
     assert "download" not in message.split("Fix:")[1], "the download was allowed"
+
+
+def test_unpacks_on_a_python_without_tar_filters(
+    tmp_path: Path, release_server: _ReleaseServer, thirty_recordings, monkeypatch
+) -> None:
+    """Python 3.10.0-3.10.11 and 3.11.0-3.11.3 (pyproject allows >=3.10) have no
+    ``extractall(filter=...)``: every download ended in a TypeError traceback."""
+    extractall = tarfile.TarFile.extractall
+
+    def old_extractall(self, path=".", members=None, *, numeric_owner=False):
+        return extractall(self, path, members, numeric_owner=numeric_owner, filter="data")
+
+    monkeypatch.delattr(tarfile, "data_filter")
+    monkeypatch.setattr(tarfile.TarFile, "extractall", old_extractall)
+    monkeypatch.setattr(fsdd, "_EXTRACT_FILTER", {}, raising=False)  # as imported there
+    recordings = fsdd.ensure_fsdd(tmp_path / "fsdd")
+    assert fsdd.recordings_sha256(recordings) == fsdd.FSDD_RECORDINGS_SHA256
+
+
+def test_members_outside_the_staging_folder_are_never_unpacked() -> None:
+    def member(name: str) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        info.type = tarfile.REGTYPE
+        return info
+
+    assert fsdd._is_recording(member(f"{fsdd.FSDD_ARCHIVE_DIR}/recordings/0_theo_0.wav"))
+    assert not fsdd._is_recording(member("../../x/recordings/0_theo_0.wav"))
+    assert not fsdd._is_recording(member("/etc/x/recordings/0_theo_0.wav"))
