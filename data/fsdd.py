@@ -247,22 +247,37 @@ def _download_lock(root: Path) -> Iterator[None]:
     The lock is ``flock`` on ``root/.fsdd-download.lock``: the kernel releases it when its
     holder dies (kill -9 leaves no stale lock). The holder deletes the file when done, so
     a waiter checks, once it holds the lock, that it locked the file still at that path.
-    Where ``fcntl`` is missing (Windows) runs are not serialised.
+    Where ``fcntl`` is missing (Windows) or the filesystem has no locks (``ENOLCK`` on
+    some NFS mounts) runs are not serialised. The file is opened read-only, so a lock
+    file another user's run left behind does not stop this one.
     """
     if fcntl is None:
         yield
         return
     path = root / _LOCK_NAME
     while True:
-        handle = open(path, "a+b")  # noqa: SIM115 (held over the yield, closed below)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                logger.info("Waiting for another run downloading FSDD into %s.", root)
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    logger.info("Waiting for another run downloading FSDD into %s.", root)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as err:  # no locks here: it was an OSError traceback
+                logger.warning(
+                    "Cannot lock %s (%s): runs started together on this data.root may "
+                    "download FSDD at the same time.",
+                    path,
+                    err,
+                )
+                try:
+                    yield
+                finally:
+                    path.unlink(missing_ok=True)
+                return
             try:
-                same = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -272,7 +287,7 @@ def _download_lock(root: Path) -> Iterator[None]:
                     path.unlink(missing_ok=True)  # before the unlock: see above
                 return
         finally:
-            handle.close()
+            os.close(fd)
 
 
 def _download(url: str, archive: Path, timeout: float) -> None:

@@ -480,3 +480,19 @@ def test_members_outside_the_staging_folder_are_never_unpacked() -> None:
     assert fsdd._is_recording(member(f"{fsdd.FSDD_ARCHIVE_DIR}/recordings/0_theo_0.wav"))
     assert not fsdd._is_recording(member("../../x/recordings/0_theo_0.wav"))
     assert not fsdd._is_recording(member("/etc/x/recordings/0_theo_0.wav"))
+
+
+def test_a_filesystem_without_locks_still_downloads(
+    tmp_path: Path, release_server: _ReleaseServer, thirty_recordings, monkeypatch
+) -> None:
+    """Some NFS mounts answer flock with ENOLCK: the download goes on, unserialised."""
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    root = tmp_path / "fsdd"
+    recordings = fsdd.ensure_fsdd(root)
+    assert fsdd.recordings_sha256(recordings) == fsdd.FSDD_RECORDINGS_SHA256
+    assert sorted(p.name for p in root.iterdir()) == [fsdd.FSDD_ARCHIVE_DIR]
