@@ -256,6 +256,8 @@ def _download_lock(root: Path) -> Iterator[None]:
         return
     path = root / _LOCK_NAME
     while True:
+        # A run that failed removes the data.root it made, under a waiter's feet: make it.
+        root.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             try:

@@ -496,3 +496,27 @@ def test_a_filesystem_without_locks_still_downloads(
     recordings = fsdd.ensure_fsdd(root)
     assert fsdd.recordings_sha256(recordings) == fsdd.FSDD_RECORDINGS_SHA256
     assert sorted(p.name for p in root.iterdir()) == [fsdd.FSDD_ARCHIVE_DIR]
+
+
+def test_runs_started_together_without_network_each_say_so_in_one_line(
+    tmp_path: Path, release_server: _ReleaseServer
+) -> None:
+    """The run that failed first removed the data.root it had made while the others
+    waited on the lock inside it: they ended in a FileNotFoundError traceback."""
+    release_server.mode, release_server.delay = "404", 0.3
+    root = tmp_path / "data" / "fsdd"
+    results: list[BaseException | Path] = []
+
+    def run() -> None:
+        try:
+            results.append(fsdd.ensure_fsdd(root))
+        except BaseException as err:  # noqa: BLE001 (handed to the test's thread)
+            results.append(err)
+
+    workers = [threading.Thread(target=run) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert [type(err) for err in results] == [DatasetNotFoundError] * 3, results
+    assert len(release_server.requests) == 3  # each tried in turn, none at once
