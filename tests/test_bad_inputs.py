@@ -417,10 +417,10 @@ def test_a_data_root_that_is_a_file_or_misspelled_leaves_nothing_behind(tmp_path
     with pytest.raises(DatasetNotFoundError, match=rf"data.root={a_file} is a file, not a folder"):
         ensure_fsdd(a_file)
 
-    def no_network(url: str, dst: str, **kwargs) -> None:
+    def no_network(url: str, archive: Path, timeout: float) -> None:
         raise OSError("no network")
 
-    monkeypatch.setattr("torch.hub.download_url_to_file", no_network)
+    monkeypatch.setattr("data.fsdd._download", no_network)
     typo = tmp_path / "dtaa" / "fsdd"
     with pytest.raises(DatasetNotFoundError, match=r"the download failed \(no network\)"):
         ensure_fsdd(typo)

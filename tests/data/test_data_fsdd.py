@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import http.server
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import tarfile
+import threading
+import time
 import urllib.error
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from data import fsdd
 from data.errors import DataError, DatasetNotFoundError
@@ -136,13 +145,13 @@ def test_missing_without_download_says_how_to_fix(tmp_path: Path) -> None:
 
 
 def test_network_failure_says_how_to_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def offline(url: str, dst: str, hash_prefix: str | None = None, progress: bool = True):
+    def offline(url: str, archive: Path, timeout: float) -> None:
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    monkeypatch.setattr(fsdd, "_download", offline)
     with pytest.raises(DatasetNotFoundError, match="download failed.*data.root=") as info:
         fsdd.ensure_fsdd(tmp_path / "fsdd")
-    assert fsdd.FSDD_URL in str(info.value)
+    assert fsdd.FSDD_URL in str(info.value) and "can be reached" in str(info.value)
 
 
 @pytest.fixture
@@ -161,36 +170,88 @@ def local_archive(fsdd_recordings: Path, tmp_path: Path) -> tuple[Path, Path]:
     return archive, source
 
 
+# --- Downloads from a local stand-in for GitHub (http.server in a thread) -----------------
+
+
+class _ReleaseServer:
+    """Serves one archive over HTTP on 127.0.0.1, as GitHub serves FSDD_URL.
+
+    ``mode``: ``ok``, ``404``, ``500`` or ``truncated`` (the Content-Length of the whole
+    archive, half of it sent); ``delay``: seconds before each answer; ``chunk_pause``:
+    seconds between 4 KiB chunks (a slow link). ``requests`` lists the paths asked for.
+    """
+
+    def __init__(self, body: bytes) -> None:
+        self.body, self.mode, self.delay, self.chunk_pause = body, "ok", 0.0, 0.0
+        self.requests: list[str] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                server.requests.append(self.path)
+                time.sleep(server.delay)
+                if server.mode in ("404", "500"):
+                    self.send_error(int(server.mode))
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(server.body)))
+                self.end_headers()
+                body = server.body
+                if server.mode == "truncated":
+                    body = body[: len(body) // 2]
+                with contextlib.suppress(OSError):  # the client was killed
+                    for start in range(0, len(body), 4096):
+                        self.wfile.write(body[start : start + 4096])
+                        time.sleep(server.chunk_pause)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v{fsdd.FSDD_VERSION}.tar.gz"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 @pytest.fixture
-def fake_download(local_archive, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Make torch.hub.download_url_to_file copy the local archive; returns the URLs asked."""
-    urls: list[str] = []
-
-    def copy(url: str, dst: str, hash_prefix: str | None = None, progress: bool = True):
-        urls.append(url)
-        shutil.copy(local_archive[0], dst)
-
-    monkeypatch.setattr(torch.hub, "download_url_to_file", copy)
-    return urls
+def thirty_recordings(local_archive, monkeypatch: pytest.MonkeyPatch) -> tuple[str, ...]:
+    """Make the local archive's 30 recordings the complete, verified FSDD."""
+    _, source = local_archive
+    names = tuple(sorted(p.name for p in source.iterdir()))
+    monkeypatch.setattr(fsdd, "FSDD_NUM_RECORDINGS", len(names))
+    monkeypatch.setattr(fsdd, "FSDD_RECORDING_NAMES", names)
+    monkeypatch.setattr(fsdd, "FSDD_RECORDINGS_SHA256", fsdd.recordings_sha256(source))
+    return names
 
 
-def test_download_with_wrong_content_is_rejected(tmp_path: Path, fake_download) -> None:
+@pytest.fixture
+def release_server(local_archive, monkeypatch: pytest.MonkeyPatch) -> Iterator[_ReleaseServer]:
+    """The local archive served over HTTP, with ``fsdd.FSDD_URL`` pointing at it."""
+    server = _ReleaseServer(local_archive[0].read_bytes())
+    monkeypatch.setattr(fsdd, "FSDD_URL", server.url)
+    yield server
+    server.close()
+
+
+def test_download_with_wrong_content_is_rejected(
+    tmp_path: Path, release_server: _ReleaseServer
+) -> None:
     root = tmp_path / "fsdd"
     with pytest.raises(DatasetNotFoundError, match="does not hold the expected recordings"):
         fsdd.ensure_fsdd(root)
-    assert fake_download == [fsdd.FSDD_URL]
-    assert list(root.iterdir()) == [], "archive or partial unpack left behind"
+    assert len(release_server.requests) == 1
+    assert not root.exists(), "archive or partial unpack left behind"
 
 
 def test_download_and_unpack(
-    tmp_path: Path, local_archive, fake_download, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, local_archive, release_server: _ReleaseServer, thirty_recordings
 ) -> None:
     _, source = local_archive
-    monkeypatch.setattr(fsdd, "FSDD_NUM_RECORDINGS", 30)
-    monkeypatch.setattr(
-        fsdd, "FSDD_RECORDING_NAMES", tuple(sorted(p.name for p in source.iterdir()))
-    )
-    monkeypatch.setattr(fsdd, "FSDD_RECORDINGS_SHA256", fsdd.recordings_sha256(source))
     root = tmp_path / "fsdd"
 
     recordings = fsdd.ensure_fsdd(root)
@@ -202,15 +263,260 @@ def test_download_and_unpack(
     # Found on the next call without downloading again.
     assert fsdd.ensure_fsdd(root) == recordings
     assert fsdd.find_fsdd_recordings(root / fsdd.FSDD_ARCHIVE_DIR) == recordings
-    assert len(fake_download) == 1
+    assert len(release_server.requests) == 1
 
 
-def test_corrupt_archive_is_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def garbage(url: str, dst: str, hash_prefix: str | None = None, progress: bool = True):
-        Path(dst).write_bytes(b"not a tarball")
-
-    monkeypatch.setattr(torch.hub, "download_url_to_file", garbage)
+def test_corrupt_archive_is_deleted(tmp_path: Path, release_server: _ReleaseServer) -> None:
+    release_server.body = b"not a tarball"
     root = tmp_path / "fsdd"
     with pytest.raises(DatasetNotFoundError, match="cannot be unpacked"):
         fsdd.ensure_fsdd(root)
-    assert list(root.iterdir()) == []
+    assert not root.exists()
+
+
+def test_a_stalled_server_times_out_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that accepts the connection and never answers (a dead proxy, a firewall
+    that swallows the reply) hung the run for good: torch.hub's urlopen has no timeout."""
+    stalled = socket.socket()
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(4)  # the kernel completes the handshake; nobody ever answers
+    monkeypatch.setattr(fsdd, "FSDD_URL", f"http://127.0.0.1:{stalled.getsockname()[1]}/a")
+    monkeypatch.setattr(fsdd, "FSDD_DOWNLOAD_TIMEOUT_S", 0.5, raising=False)
+    root = tmp_path / "fsdd"
+    outcome: list[BaseException | Path] = []
+
+    def download() -> None:
+        try:
+            outcome.append(fsdd.ensure_fsdd(root))
+        except BaseException as err:  # noqa: BLE001 (handed to the test's thread)
+            outcome.append(err)
+
+    worker = threading.Thread(target=download, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    hung = worker.is_alive()
+    stalled.close()  # ends a hung download (connection reset) before the assertions
+    worker.join(timeout=20)
+    assert not hung, "the download waited for the stalled server without a timeout"
+    (error,) = outcome
+    assert isinstance(error, DatasetNotFoundError), error
+    assert "timed out" in str(error) and "\n" not in str(error)
+    assert not root.exists(), "a failed download left its folder behind"
+
+
+@pytest.mark.parametrize("mode", ["404", "500", "truncated", "refused"])
+def test_a_failed_download_says_so_in_one_line_and_leaves_nothing(
+    mode: str, tmp_path: Path, release_server: _ReleaseServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer cut short was taken as a complete archive (urllib does not check the
+    Content-Length), then blamed on the archive, leaving the download folder behind."""
+    if mode == "refused":
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(fsdd, "FSDD_URL", f"http://127.0.0.1:{closed.getsockname()[1]}/a")
+        closed.close()
+    release_server.mode = mode
+    root = tmp_path / "data" / "fsdd"
+    with pytest.raises(DatasetNotFoundError) as info:
+        fsdd.ensure_fsdd(root)
+    message = str(info.value)
+    expected = {"404": "HTTP Error 404", "500": "HTTP Error 500", "refused": "Connection refused"}
+    assert expected.get(mode, "cut short") in message
+    assert "the download failed" in message and fsdd.FSDD_URL in message
+    assert "Fix: " in message and "\n" not in message
+    assert not (tmp_path / "data").exists(), "a failed download left its folders behind"
+
+
+def test_runs_started_together_download_once(
+    tmp_path: Path, release_server: _ReleaseServer, thirty_recordings
+) -> None:
+    """Two runs (sweep jobs side by side) on an empty data.root both downloaded, then
+    unpacked into the same staging folder, deleting each other's files: tracebacks
+    (FileNotFoundError) or a wrong checksum, and at times no run at all got its data."""
+    release_server.delay = 0.5  # both ask before either has the archive
+    root = tmp_path / "fsdd"
+    results: list[BaseException | Path] = []
+
+    def run() -> None:
+        try:
+            results.append(fsdd.ensure_fsdd(root))
+        except BaseException as err:  # noqa: BLE001 (handed to the test's thread)
+            results.append(err)
+
+    workers = [threading.Thread(target=run) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert results == [root / fsdd.FSDD_ARCHIVE_DIR / "recordings"] * 3
+    assert len(release_server.requests) == 1, "each run downloaded the archive"
+    assert fsdd.recordings_sha256(results[0]) == fsdd.FSDD_RECORDINGS_SHA256
+    assert sorted(p.name for p in root.iterdir()) == [fsdd.FSDD_ARCHIVE_DIR]
+
+
+_KILLED_DOWNLOAD = """
+import sys
+from data import fsdd
+fsdd.FSDD_URL = sys.argv[2]
+fsdd.ensure_fsdd(sys.argv[1])
+"""
+
+
+def test_a_download_killed_midway_leaves_nothing_the_next_run_keeps(
+    tmp_path: Path, release_server: _ReleaseServer, thirty_recordings
+) -> None:
+    """kill -9 during the transfer left torch.hub's ``*.partial`` file in data.root for
+    good: every killed download added one (the whole archive's size at worst)."""
+    release_server.chunk_pause = 0.05
+    root = tmp_path / "fsdd"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    killed = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_DOWNLOAD, str(root), fsdd.FSDD_URL],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.stat().st_size for p in root.glob(f"{fsdd.FSDD_ARCHIVE_NAME}?*")):
+            assert killed.poll() is None and time.monotonic() < deadline, "no transfer seen"
+            time.sleep(0.02)
+    finally:
+        killed.kill()  # SIGKILL: no clean-up runs
+        killed.wait()
+    assert not (root / fsdd.FSDD_ARCHIVE_NAME).exists(), "a partial file was taken as done"
+
+    release_server.chunk_pause = 0.0
+    recordings = fsdd.ensure_fsdd(root)
+    assert fsdd.recordings_sha256(recordings) == fsdd.FSDD_RECORDINGS_SHA256
+    assert sorted(p.name for p in root.iterdir()) == [fsdd.FSDD_ARCHIVE_DIR]
+
+
+def test_an_incomplete_copy_in_the_download_folder_is_kept(
+    tmp_path: Path, fsdd_recordings: Path, release_server: _ReleaseServer, thirty_recordings
+) -> None:
+    """An incomplete ``free-spoken-digit-dataset-1.0.10/`` (a manual unpack cut short, a
+    user's own takes beside the recordings) was deleted whole by the download."""
+    root = tmp_path / "fsdd"
+    old = root / fsdd.FSDD_ARCHIVE_DIR / "recordings"
+    old.mkdir(parents=True)
+    shutil.copy(fsdd_recordings / thirty_recordings[0], old / thirty_recordings[0])
+    (old / "my_own_take.wav").write_bytes(b"RIFF mine")
+
+    recordings = fsdd.ensure_fsdd(root)
+    assert recordings == old
+    assert fsdd.recordings_sha256(recordings) == fsdd.FSDD_RECORDINGS_SHA256
+    kept = list(root.glob("*/recordings/my_own_take.wav"))
+    assert [p.read_bytes() for p in kept] == [b"RIFF mine"], "the user's file was deleted"
+
+
+def test_a_full_disk_while_unpacking_keeps_the_archive_and_says_so(
+    tmp_path: Path, release_server: _ReleaseServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No space to unpack was reported as a broken archive: the good download was deleted
+    and the fix said to download it again, into the same full disk."""
+    root = tmp_path / "fsdd"
+
+    def disk_full(self, *args, **kwargs) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", disk_full)
+    with pytest.raises(DatasetNotFoundError) as info:
+        fsdd.ensure_fsdd(root)
+    message = str(info.value)
+    assert "No space left on device" in message and "free" in message
+    assert "cannot be unpacked" not in message and "\n" not in message
+    assert (root / fsdd.FSDD_ARCHIVE_NAME).read_bytes() == release_server.body, "not kept"
+
+    monkeypatch.undo()  # space freed: the next run unpacks the kept archive
+    monkeypatch.setattr(fsdd, "FSDD_URL", "http://127.0.0.1:1/unreachable")
+    with pytest.raises(DatasetNotFoundError, match="does not hold the expected"):
+        fsdd.ensure_fsdd(root)  # the 30-file archive is unpacked, not downloaded again
+    assert len(release_server.requests) == 1
+
+
+def test_a_read_only_data_root_asks_for_a_writable_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data.root under a read-only folder: the fix said to allow the download, which was
+    allowed; it needs a folder that can be written to."""
+
+    def read_only(self: Path, *args, **kwargs) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(DatasetNotFoundError) as info:
+        fsdd.ensure_fsdd(tmp_path / "fsdd")
+    message = str(info.value)
+    assert "Read-only file system" in message and "writable" in message
+    assert "download" not in message.split("Fix:")[1], "the download was allowed"
+
+
+def test_unpacks_on_a_python_without_tar_filters(
+    tmp_path: Path, release_server: _ReleaseServer, thirty_recordings, monkeypatch
+) -> None:
+    """Python 3.10.0-3.10.11 and 3.11.0-3.11.3 (pyproject allows >=3.10) have no
+    ``extractall(filter=...)``: every download ended in a TypeError traceback."""
+    extractall = tarfile.TarFile.extractall
+
+    def old_extractall(self, path=".", members=None, *, numeric_owner=False):
+        return extractall(self, path, members, numeric_owner=numeric_owner, filter="data")
+
+    monkeypatch.delattr(tarfile, "data_filter")
+    monkeypatch.setattr(tarfile.TarFile, "extractall", old_extractall)
+    monkeypatch.setattr(fsdd, "_EXTRACT_FILTER", {}, raising=False)  # as imported there
+    recordings = fsdd.ensure_fsdd(tmp_path / "fsdd")
+    assert fsdd.recordings_sha256(recordings) == fsdd.FSDD_RECORDINGS_SHA256
+
+
+def test_members_outside_the_staging_folder_are_never_unpacked() -> None:
+    def member(name: str) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        info.type = tarfile.REGTYPE
+        return info
+
+    assert fsdd._is_recording(member(f"{fsdd.FSDD_ARCHIVE_DIR}/recordings/0_theo_0.wav"))
+    assert not fsdd._is_recording(member("../../x/recordings/0_theo_0.wav"))
+    assert not fsdd._is_recording(member("/etc/x/recordings/0_theo_0.wav"))
+
+
+def test_a_filesystem_without_locks_still_downloads(
+    tmp_path: Path, release_server: _ReleaseServer, thirty_recordings, monkeypatch
+) -> None:
+    """Some NFS mounts answer flock with ENOLCK: the download goes on, unserialised."""
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    root = tmp_path / "fsdd"
+    recordings = fsdd.ensure_fsdd(root)
+    assert fsdd.recordings_sha256(recordings) == fsdd.FSDD_RECORDINGS_SHA256
+    assert sorted(p.name for p in root.iterdir()) == [fsdd.FSDD_ARCHIVE_DIR]
+
+
+def test_runs_started_together_without_network_each_say_so_in_one_line(
+    tmp_path: Path, release_server: _ReleaseServer
+) -> None:
+    """The run that failed first removed the data.root it had made while the others
+    waited on the lock inside it: they ended in a FileNotFoundError traceback."""
+    release_server.mode, release_server.delay = "404", 0.3
+    root = tmp_path / "data" / "fsdd"
+    results: list[BaseException | Path] = []
+
+    def run() -> None:
+        try:
+            results.append(fsdd.ensure_fsdd(root))
+        except BaseException as err:  # noqa: BLE001 (handed to the test's thread)
+            results.append(err)
+
+    workers = [threading.Thread(target=run) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert [type(err) for err in results] == [DatasetNotFoundError] * 3, results
+    assert len(release_server.requests) == 3  # each tried in turn, none at once
