@@ -113,22 +113,60 @@ class TrainedModel:
         """The run's task (its model's outputs to labels)."""
         return task_for(self.cfg.model)
 
-    @torch.no_grad()
     def label(self, audio_paths: list[str | Path]) -> list[str]:
-        """Transcripts (ASR) or speaker names (speaker ID) of the given audio files."""
-        utts = []
-        for i, path in enumerate(audio_paths):
-            wav = load_audio(path, self.cfg.data.sample_rate)  # fails clearly on bad audio
-            utts.append(
-                Utterance(
-                    str(i),
-                    str(path),
-                    len(wav) / self.cfg.data.sample_rate,
-                    "",
-                    self.speakers[0] if self.speakers else "",
-                )
-            )
-        dataset = AudioDataset(utts, self.cfg.data.sample_rate, None, speakers=self.speakers)
+        """Transcripts (ASR) or speaker names (speaker ID) of the given audio files.
+
+        Raises:
+            AudioError: a file cannot be read (the first such file, before any labelling),
+                or a clip is too short for the model's frames.
+        """
+        wavs = [self.load(path) for path in audio_paths]  # fails clearly on bad audio
+        return self._label_waves(list(audio_paths), wavs)
+
+    def label_each(self, audio_paths: list[str | Path]) -> list[str | AudioError]:
+        """The label of each readable file, and for each file that cannot be read (missing,
+        a folder, not audio) the ``AudioError`` that says why, in the order given.
+
+        A bad file among many costs only its own label: ``transcribe.py a.wav missing.wav
+        b.wav`` used to print no label at all.
+
+        Raises:
+            AudioError: a clip is too short for the model's frames.
+        """
+        loaded: list[torch.Tensor | AudioError] = []
+        for path in audio_paths:
+            try:
+                loaded.append(self.load(path))
+            except AudioError as err:
+                loaded.append(err)
+        readable = [
+            (path, wav)
+            for path, wav in zip(audio_paths, loaded, strict=True)
+            if not isinstance(wav, AudioError)
+        ]
+        paths, wavs = [p for p, _ in readable], [w for _, w in readable]
+        labels = iter(self._label_waves(paths, wavs) if readable else [])
+        return [wav if isinstance(wav, AudioError) else next(labels) for wav in loaded]
+
+    def load(self, path: str | Path) -> torch.Tensor:
+        """The file's audio at the run's sample rate.
+
+        Raises:
+            AudioError: the file is missing, a folder, empty or not audio; names the file.
+        """
+        wav = load_audio(path, self.cfg.data.sample_rate)
+        return wav
+
+    @torch.no_grad()
+    def _label_waves(self, audio_paths: list[str | Path], wavs: list[torch.Tensor]) -> list[str]:
+        """The labels of the loaded audio ``wavs`` (of ``audio_paths``), as one batch."""
+        rate = self.cfg.data.sample_rate
+        speaker = self.speakers[0] if self.speakers else ""
+        utts = [
+            Utterance(str(i), str(path), len(wav) / rate, "", speaker)
+            for i, (path, wav) in enumerate(zip(audio_paths, wavs, strict=True))
+        ]
+        dataset = AudioDataset(utts, rate, None, speakers=self.speakers)
         batch = collate_audio([dataset[i] for i in range(len(dataset))]).to(self.device)
         try:
             with TorchAutocast(device_type=self.device.type, dtype=self.amp.dtype):
@@ -227,4 +265,11 @@ def load_trained(
         average_from = OmegaConf.select(cfg, "trainer.average_from", default=LEGACY_AVERAGE_FROM)
         chosen = checkpoints_to_average(ckpt, num_averaged, average_from, **key)
         ckpt.load_averaged(chosen, ["module.model"])
-    return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), labels, dev, amp)
+    return TrainedModel(
+        cfg,
+        features.to(dev).eval(),
+        model.to(dev).eval(),
+        labels,
+        dev,
+        amp,
+    )

@@ -950,6 +950,29 @@ def test_transcribe_errors_give_its_own_flags(cli_run, fsdd_recordings):
     assert "--device cpu" in result.stderr and "device=cpu" not in result.stderr
 
 
+def test_transcribe_labels_the_readable_files_and_names_each_bad_one(
+    cli_run, fsdd_recordings, tmp_path
+):
+    """One bad file among several (missing, a folder, not audio) printed no label at all,
+    only the first bad file's error: the good files are labelled, every bad one is named,
+    and the exit status says that not everything was labelled."""
+    not_audio = tmp_path / "notes.wav"
+    not_audio.write_text("not audio")
+    good = [str(fsdd_recordings / "3_theo_0.wav"), str(fsdd_recordings / "7_george_1.wav")]
+    bad = [str(tmp_path / "missing.wav"), str(tmp_path), str(not_audio)]
+    files = [good[0], *bad, good[1]]
+    result = run_cli("transcribe.py", [str(cli_run), *files, "--device", "cpu"], fsdd_recordings)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert [line.split("\t")[0] for line in result.stdout.splitlines()] == good
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 3
+    for path, error in zip(bad, errors, strict=True):
+        assert f" {path}" in error and error.endswith(
+            "Fix: pass a readable audio file (wav, flac, ...)."
+        )
+    assert "it is a folder" in errors[1]
+
+
 def test_transcribe_says_a_clip_is_too_short_in_one_line(cli_run, fsdd_recordings, tmp_path):
     """16 ms of audio gives the subsampling fewer frames than its kernel (a traceback)."""
     import soundfile
