@@ -5,7 +5,8 @@ python recipes/transcribe.py RUN_DIR a.wav --precision bf16 --device cuda
 
 Without ``--precision`` it labels in the precision the run's test ran in (``results.json``).
 A file that cannot be read (missing, a folder, not audio) is named on stderr and the others
-are labelled; the exit status is then 2.
+are labelled; the exit status is then 2. A file far longer than the run's training audio is
+labelled with a warning that names its duration and the training range.
 """
 
 from __future__ import annotations
