@@ -17,20 +17,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from amp_utils.atomic import atomic_write_json, atomic_write_text
-from amp_utils.precision import resolve_device
 from recipes.benchmarking import (
-    check_benchmark_config,
     compile_notes,
+    preflight_benchmark,
     run_benchmark,
     step_graph_notes,
     summarize,
 )
-from recipes.config import exit_on_unknown_override_keys, validate_config
+from recipes.config import exit_on_unknown_override_keys
 from recipes.data_setup import DataBundle, build_data
 from recipes.experiment import build_brain, device_name, seed_everything
 from recipes.modules import build_modules
-from recipes.preflight import USER_ERRORS, run_options
+from recipes.preflight import USER_ERRORS
 from recipes.resolvers import register_resolvers
+from recipes.run_folder import RunFolder
 from recipes.schema import BenchmarkRunConfig, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -40,12 +40,20 @@ register_schemas()
 
 
 def benchmark(cfg: DictConfig) -> list[dict]:
-    """Run the benchmark described by ``cfg``; returns one row per (precision, mode)."""
-    validate_config(cfg)
-    check_benchmark_config(cfg)
-    device = resolve_device(run_options(cfg).device)
-    with build_data(cfg, device) as data:  # its loader workers end with the benchmark
-        return _benchmark(cfg, device, data)
+    """Run the benchmark described by ``cfg``; returns one row per (precision, mode).
+
+    A command refused before the timing starts (a bad value, no GPU, data that cannot be
+    read) leaves no folder behind: the folder's ``.hydra/`` and log are written once the
+    data is ready (``RunFolder``; Hydra's writes are taken over by ``ToolFolderCallback``).
+    """
+    folder = RunFolder(Path(cfg.output_dir))
+    try:
+        device = preflight_benchmark(cfg)
+        with build_data(cfg, device) as data:  # its loader workers end with the benchmark
+            folder.accept(cfg, run_record=False)
+            return _benchmark(cfg, device, data)
+    finally:
+        folder.abandon()  # refused before it started: no trace of it (else a no-op)
 
 
 def _benchmark(cfg: DictConfig, device: torch.device, data: DataBundle) -> list[dict]:

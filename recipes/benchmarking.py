@@ -40,11 +40,12 @@ from amp_utils import Stage
 from amp_utils.atomic import atomic_write_text
 from amp_utils.autocast import PRECISIONS
 from amp_utils.loaders import start_epoch
-from amp_utils.precision import configure_tf32
+from amp_utils.precision import configure_tf32, resolve_device
 from data.dataset import AudioBatch
 from recipes.audio_brain import AudioBrain
-from recipes.config import ConfigError
+from recipes.config import ConfigError, validate_config
 from recipes.peers import OptimizerSettings, run_peer
+from recipes.preflight import run_options
 from recipes.step_timing import time_steps
 
 #: Dense peak rates (TFLOP/s) from the vendors' datasheets, by GPU name and precision
@@ -100,6 +101,19 @@ def check_benchmark_config(cfg: DictConfig) -> None:
                 f"{key} has {unknown}; valid: {', '.join(valid)} "
                 f"(e.g. {key}=[{','.join(valid[:2])}])."
             )
+
+
+def preflight_benchmark(cfg: DictConfig) -> torch.device:
+    """Everything that can refuse ``recipes/benchmark.py``'s command before any work: keys,
+    values, the benchmark's own settings and the device; returns the device.
+    ``ToolFolderCallback`` runs it before Hydra writes the benchmark's folder.
+
+    Raises:
+        ConfigError, DeviceNotAvailableError: naming the problem and the fix.
+    """
+    validate_config(cfg)
+    check_benchmark_config(cfg)
+    return resolve_device(run_options(cfg).device)
 
 
 def synthetic_batch(cfg: DictConfig, device: torch.device, num_speakers: int) -> AudioBatch:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,7 +82,9 @@ class DataBundle:
 def data_record(
     data_cfg: DictConfig, manifests: dict[str, Path], utterances: dict[str, list[Utterance]]
 ) -> dict:
-    """What a run trains and is tested on: data root, manifests, utterances and hours."""
+    """What a run trains and is tested on: data root, manifests, utterances, hours and the
+    shortest and longest utterance's seconds per split (``transcribe.py`` warns about a
+    file far longer than the training audio)."""
     root = OmegaConf.select(data_cfg, "root")
     return {
         "name": str(data_cfg.name),
@@ -93,10 +96,19 @@ def data_record(
             split: {
                 "utterances": len(utts),
                 "hours": round(sum(u.duration for u in utts) / 3600, 4),
+                **duration_range(utts),
             }
             for split, utts in utterances.items()
         },
     }
+
+
+def duration_range(utterances: Sequence[Utterance]) -> dict[str, float]:
+    """``{"min_seconds": ..., "max_seconds": ...}`` of ``utterances`` (empty for none)."""
+    if not utterances:
+        return {}
+    durations = [u.duration for u in utterances]
+    return {"min_seconds": round(min(durations), 3), "max_seconds": round(max(durations), 3)}
 
 
 def prepare_manifests(data_cfg: DictConfig) -> dict[str, Path]:

@@ -47,37 +47,20 @@ from amp_utils.saved_activations import ActivationMemory, training_activation_me
 from amp_utils.step_operations import training_step_operations
 from amp_utils.tensorboard import TensorBoardLogger
 from recipes.config import (
-    ConfigError,
     exit_on_unknown_override_keys,
-    validate_config,
 )
 from recipes.data_setup import build_data
 from recipes.experiment import build_brain, seed_everything
 from recipes.preflight import USER_ERRORS, run_options
+from recipes.preflight import diagnosis_training_config as training_config
 from recipes.resolvers import register_resolvers
+from recipes.run_folder import RunFolder
 from recipes.schema import DiagnoseRunConfig, register_schemas
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 logger = logging.getLogger(__name__)
 register_resolvers()
 register_schemas()
-
-
-def training_config(cfg: DictConfig) -> DictConfig:
-    """The training part of ``cfg`` (no ``diagnose`` node), checked as train.py checks it.
-
-    Raises:
-        ConfigError: a bad key or value (one line naming the valid ones).
-    """
-    if cfg.diagnose.batches < 1:
-        raise ConfigError(f"diagnose.batches={cfg.diagnose.batches} must be 1 or more.")
-    train_cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "diagnose"])
-    train_cfg.precision.fp32_modules = []  # applied by diagnose() itself, names reported
-    # The probes hook every module in every step: a captured step would run them only at
-    # its capture (fast_path=auto turns whole-step graphs on for CUDA).
-    train_cfg.trainer.graph_step = False
-    validate_config(train_cfg)
-    return train_cfg
 
 
 def build_recipe(cfg: DictConfig):
@@ -89,15 +72,27 @@ def build_recipe(cfg: DictConfig):
 
 
 def diagnose(cfg: DictConfig) -> NumericsReport:
-    """Measure the configured recipe for ``diagnose.batches`` batches; write the report."""
-    brain, train_batches = build_recipe(cfg)
+    """Measure the configured recipe for ``diagnose.batches`` batches; write the report.
+
+    A command refused before the measuring starts (a bad value, no GPU, data that cannot
+    be read, an ``fp32_modules`` pattern that names no module) leaves no folder behind: the
+    folder's ``.hydra/`` and log are written once the model is ready (``RunFolder``; Hydra's
+    writes are taken over by ``DiagnosisFolderCallback``).
+    """
+    folder = RunFolder(Path(cfg.output_dir))
     try:
-        return _diagnose(cfg, brain, train_batches)
+        brain, train_batches = build_recipe(cfg)
+        try:
+            return _diagnose(cfg, brain, train_batches, folder)
+        finally:
+            shut_down_workers(train_batches)  # the loader's workers end with the diagnosis
     finally:
-        shut_down_workers(train_batches)  # the loader's workers end with the diagnosis
+        folder.abandon()  # refused before it started: no trace of it (else a no-op)
 
 
-def _diagnose(cfg: DictConfig, brain: Brain, train_batches: DataLoader) -> NumericsReport:
+def _diagnose(
+    cfg: DictConfig, brain: Brain, train_batches: DataLoader, folder: RunFolder
+) -> NumericsReport:
     if brain.run_opts.compile:
         logger.warning(
             "trainer.compile=true: the diagnosis runs the model eagerly (uncompiled): its "
@@ -107,6 +102,7 @@ def _diagnose(cfg: DictConfig, brain: Brain, train_batches: DataLoader) -> Numer
         )
     patterns = list(OmegaConf.select(cfg, "precision.fp32_modules") or [])
     fp32_modules = apply_fp32_modules(brain.modules, patterns)
+    folder.accept(cfg, run_record=False)  # the diagnosis goes ahead: its .hydra/ and log
     probes = probe_training_batches(brain, train_batches, int(cfg.diagnose.batches))
     report = build_report(
         probes.activations,

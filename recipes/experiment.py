@@ -386,6 +386,8 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
                         "task": cfg.model.task,
                         "speakers": list(data.speakers),
                         "words": list(data.words),
+                        # transcribe.py warns about a file far longer than these
+                        "train_seconds": train_seconds(data.record),
                     },
                 )
 
@@ -416,6 +418,15 @@ def _train(cfg: DictConfig, folder: RunFolder, start: float) -> dict[str, Any]:
             finally:
                 if tensorboard is not None:
                     tensorboard.close()
+
+
+def train_seconds(record: dict[str, Any]) -> list[float] | None:
+    """``[shortest, longest]`` training utterance in seconds, from the data's record
+    (``data_record``); None if it has none."""
+    train = record.get("splits", {}).get("train", {})
+    if "min_seconds" not in train:
+        return None
+    return [train["min_seconds"], train["max_seconds"]]
 
 
 def _test_best(brain: AudioBrain, data: DataBundle) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ from amp_utils.precision import (
 )
 from amp_utils.run_results import RESULTS_FILE, RunResults
 from data.audio import load_audio
+from data.connected_digits import read_plan
 from data.dataset import AudioDataset, collate_audio
-from data.errors import AudioError
-from data.manifest import Utterance
+from data.errors import AudioError, DataError
+from data.manifest import Utterance, read_manifest
 from recipes.audio_brain import LEGACY_AVERAGE_FROM, checkpoints_to_average
 from recipes.modules import build_modules
 from recipes.run_folder import LABELS_FILE
@@ -102,6 +104,9 @@ class TrainedModel:
     labels: RunLabels
     device: torch.device
     amp: AMPConfig
+    #: ``(shortest, longest)`` training utterance in seconds, None if the run did not record
+    #: it (``training_seconds``): a file far longer than the longest gets a warning.
+    train_seconds: tuple[float, float] | None = None
 
     @property
     def speakers(self) -> tuple[str, ...]:
@@ -113,22 +118,73 @@ class TrainedModel:
         """The run's task (its model's outputs to labels)."""
         return task_for(self.cfg.model)
 
-    @torch.no_grad()
     def label(self, audio_paths: list[str | Path]) -> list[str]:
-        """Transcripts (ASR) or speaker names (speaker ID) of the given audio files."""
-        utts = []
-        for i, path in enumerate(audio_paths):
-            wav = load_audio(path, self.cfg.data.sample_rate)  # fails clearly on bad audio
-            utts.append(
-                Utterance(
-                    str(i),
-                    str(path),
-                    len(wav) / self.cfg.data.sample_rate,
-                    "",
-                    self.speakers[0] if self.speakers else "",
-                )
+        """Transcripts (ASR) or speaker names (speaker ID) of the given audio files.
+
+        Raises:
+            AudioError: a file cannot be read (the first such file, before any labelling),
+                or a clip is too short for the model's frames.
+        """
+        wavs = [self.load(path) for path in audio_paths]  # fails clearly on bad audio
+        return self._label_waves(list(audio_paths), wavs)
+
+    def label_each(self, audio_paths: list[str | Path]) -> list[str | AudioError]:
+        """The label of each readable file, and for each file that cannot be read (missing,
+        a folder, not audio) the ``AudioError`` that says why, in the order given.
+
+        A bad file among many costs only its own label: ``transcribe.py a.wav missing.wav
+        b.wav`` used to print no label at all.
+
+        Raises:
+            AudioError: a clip is too short for the model's frames.
+        """
+        loaded: list[torch.Tensor | AudioError] = []
+        for path in audio_paths:
+            try:
+                loaded.append(self.load(path))
+            except AudioError as err:
+                loaded.append(err)
+        readable = [
+            (path, wav)
+            for path, wav in zip(audio_paths, loaded, strict=True)
+            if not isinstance(wav, AudioError)
+        ]
+        paths, wavs = [p for p, _ in readable], [w for _, w in readable]
+        labels = iter(self._label_waves(paths, wavs) if readable else [])
+        return [wav if isinstance(wav, AudioError) else next(labels) for wav in loaded]
+
+    def load(self, path: str | Path) -> torch.Tensor:
+        """The file's audio at the run's sample rate, with a warning if it is far longer
+        than the audio the model was trained on (``LONG_CLIP_FACTOR``).
+
+        Raises:
+            AudioError: the file is missing, a folder, empty or not audio; names the file.
+        """
+        wav = load_audio(path, self.cfg.data.sample_rate)
+        seconds = len(wav) / self.cfg.data.sample_rate
+        if self.train_seconds is not None and seconds > LONG_CLIP_FACTOR * self.train_seconds[1]:
+            shortest, longest = self.train_seconds
+            logger.warning(
+                "%s holds %.1f s of audio, far longer than the model's training audio "
+                "(%.2f-%.2f s): its label may be wrong. Fix: cut it into clips of the training "
+                "lengths.",
+                path,
+                seconds,
+                shortest,
+                longest,
             )
-        dataset = AudioDataset(utts, self.cfg.data.sample_rate, None, speakers=self.speakers)
+        return wav
+
+    @torch.no_grad()
+    def _label_waves(self, audio_paths: list[str | Path], wavs: list[torch.Tensor]) -> list[str]:
+        """The labels of the loaded audio ``wavs`` (of ``audio_paths``), as one batch."""
+        rate = self.cfg.data.sample_rate
+        speaker = self.speakers[0] if self.speakers else ""
+        utts = [
+            Utterance(str(i), str(path), len(wav) / rate, "", speaker)
+            for i, (path, wav) in enumerate(zip(audio_paths, wavs, strict=True))
+        ]
+        dataset = AudioDataset(utts, rate, None, speakers=self.speakers)
         batch = collate_audio([dataset[i] for i in range(len(dataset))]).to(self.device)
         try:
             with TorchAutocast(device_type=self.device.type, dtype=self.amp.dtype):
@@ -145,6 +201,11 @@ class TrainedModel:
                 f"{MIN_CLIP_SECONDS} s."
             ) from None
 
+
+#: A file more than this many times the longest training utterance gets a warning: the
+#: models saw nothing like it (FSDD's training digits last 0.16-2.28 s, a 60-s recording
+#: 26 times the longest). Twice leaves room for slower speakers and silence around a digit.
+LONG_CLIP_FACTOR = 2.0
 
 #: Clips shorter than this may be too short for the models' windows and subsampling
 #: (at 8 kHz the default recipe needs about 25 ms): their failure is reported as such.
@@ -174,6 +235,25 @@ def unfinished_run_note(run_dir: Path) -> str | None:
         f"{run_dir} has not finished training (no {RESULTS_FILE}): using its checkpoints "
         f"so far (newest whole epoch: {epochs[0].meta.get('epoch', '?')}), not its final model."
     )
+
+
+def training_seconds(run_dir: Path) -> tuple[float, float] | None:
+    """``(shortest, longest)`` training utterance of the run in ``run_dir``, in seconds:
+    from its ``labels.json`` (``train_seconds``), or for a run from before that was
+    recorded, from the training manifest its ``results.json`` names; None if neither
+    gives it (the manifest gone, an unfinished older run)."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        recorded = json.loads((run_dir / LABELS_FILE).read_text()).get("train_seconds")
+        if recorded:
+            return float(recorded[0]), float(recorded[1])
+    try:
+        manifest = RunResults.read(run_dir / RESULTS_FILE).dataset["manifests"]["train"]
+        plan = manifest.endswith(".plan.jsonl")  # connected digits
+        utterances = read_plan(manifest) if plan else read_manifest(manifest)
+    except (OSError, ValueError, KeyError, TypeError, DataError):
+        return None
+    durations = [utt.duration for utt in utterances]
+    return (min(durations), max(durations)) if durations else None
 
 
 def tested_precision(run_dir: Path) -> str:
@@ -227,4 +307,12 @@ def load_trained(
         average_from = OmegaConf.select(cfg, "trainer.average_from", default=LEGACY_AVERAGE_FROM)
         chosen = checkpoints_to_average(ckpt, num_averaged, average_from, **key)
         ckpt.load_averaged(chosen, ["module.model"])
-    return TrainedModel(cfg, features.to(dev).eval(), model.to(dev).eval(), labels, dev, amp)
+    return TrainedModel(
+        cfg,
+        features.to(dev).eval(),
+        model.to(dev).eval(),
+        labels,
+        dev,
+        amp,
+        train_seconds=training_seconds(run_dir),
+    )

@@ -110,7 +110,38 @@ def preflight(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "data.synthetic_voices", default=0):
         check_synthesizers(draw_voices(cfg.data.synthetic_voices))
     check_sweep_direction(cfg, _sweeper_direction())
+    check_device_and_precisions(cfg)
+
+
+def check_device_and_precisions(cfg: DictConfig) -> None:
+    """The device can be had (``device=cuda`` without a GPU is refused) and runs the
+    training and evaluation precisions."""
     opts = run_options(cfg)
     device = resolve_device(opts.device)
     for name in (opts.precision, opts.eval_precision):
         check_precision_supported(AMPConfig.from_name(resolve_precision(name, device)[0]), device)
+
+
+def diagnosis_training_config(cfg: DictConfig) -> DictConfig:
+    """The training part of ``recipes/diagnose.py``'s ``cfg`` (no ``diagnose`` node),
+    checked as train.py checks it.
+
+    Raises:
+        ConfigError: a bad key or value (one line naming the valid ones).
+    """
+    if cfg.diagnose.batches < 1:
+        raise ConfigError(f"diagnose.batches={cfg.diagnose.batches} must be 1 or more.")
+    train_cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "diagnose"])
+    train_cfg.precision.fp32_modules = []  # applied by diagnose() itself, names reported
+    # The probes hook every module in every step: a captured step would run them only at
+    # its capture (fast_path=auto turns whole-step graphs on for CUDA).
+    train_cfg.trainer.graph_step = False
+    validate_config(train_cfg)
+    return train_cfg
+
+
+def preflight_diagnosis(cfg: DictConfig) -> None:
+    """Everything that can refuse ``recipes/diagnose.py``'s command before any work: keys,
+    values, device and precision (``DiagnosisFolderCallback`` runs it before Hydra writes
+    the diagnosis's folder)."""
+    check_device_and_precisions(diagnosis_training_config(cfg))

@@ -14,6 +14,11 @@ rewrite a finished run's record or leave a stray folder behind. So, for a single
   loaded). Log lines from before are kept in memory and written then; a run refused
   before that removes the folders it created, if they are still empty.
 
+The tools that write a folder of their own (``recipes/benchmark.py``,
+``recipes/diagnose.py``) do the same through ``ToolFolderCallback``: their own checks before
+Hydra touches the folder, then ``RunFolder.accept(..., run_record=False)`` once their work
+starts, so a refused benchmark or diagnosis leaves no folder behind either.
+
 A finished run trained further keeps its earlier record (``keep_finished_record``). Which
 run a folder holds is ``recipes/run_overrides.py``'s; a sweep's jobs, their folders and
 how each ends are ``recipes/sweep_jobs.py``'s.
@@ -158,7 +163,6 @@ class RunFolderCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Refuse a bad or finished command before Hydra creates or writes anything."""
-        global _taken_over
         task_cfg = task_config(config)
         run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         try:
@@ -174,18 +178,29 @@ class RunFolderCallback(Callback):
         if results is not None:
             say_finished(run_dir, results, task_cfg.trainer)
             sys.exit(0)
-        problem = folder_problem(run_dir, "hydra.run.dir")
-        if problem is not None:
-            sys.exit(f"error: {problem}")
-        with read_write(config.hydra), open_dict(config.hydra):
-            config.hydra.runtime.output_dir = str(run_dir)  # run_job sets the same value
-            job_logging = OmegaConf.to_container(config.hydra.job_logging, resolve=True)
-            log_files = _take_file_handlers(config.hydra.job_logging, job_logging)
-            subdir = config.hydra.output_subdir
-            _taken_over = _TakenOver(
-                run_dir, first_existing(run_dir), None if subdir is None else str(subdir), log_files
-            )
-            config.hydra.output_subdir = None  # RunFolder.accept writes .hydra
+        take_over_run_folder(config, run_dir)
+
+
+def take_over_run_folder(config: DictConfig, run_dir: Path) -> None:
+    """Take Hydra's writes into the single run's folder ``run_dir`` over (``.hydra/`` and the
+    job's log files), for ``RunFolder.accept`` to make once the command is accepted; a
+    folder that cannot be made or written in ends the command with one line.
+
+    Called by a Hydra callback's ``on_run_start``, before Hydra creates the folder.
+    """
+    global _taken_over
+    problem = folder_problem(run_dir, "hydra.run.dir")
+    if problem is not None:
+        sys.exit(f"error: {problem}")
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.runtime.output_dir = str(run_dir)  # run_job sets the same value
+        job_logging = OmegaConf.to_container(config.hydra.job_logging, resolve=True)
+        log_files = _take_file_handlers(config.hydra.job_logging, job_logging)
+        subdir = config.hydra.output_subdir
+        _taken_over = _TakenOver(
+            run_dir, first_existing(run_dir), None if subdir is None else str(subdir), log_files
+        )
+        config.hydra.output_subdir = None  # RunFolder.accept writes .hydra
 
 
 #: Run-folder locks this process holds (``RunFolder.lock``): file descriptors.
@@ -308,19 +323,52 @@ def holds_training_run(run_dir: Path) -> bool:
     )
 
 
-class DiagnosisFolderCallback(Callback):
+class ToolFolderCallback(Callback):
+    """Hydra callback of the tools that write a run folder of their own
+    (``recipes/benchmark.py``: ``conf/benchmark.yaml``): refuse a bad command before Hydra
+    writes into the folder, as ``RunFolderCallback`` does for training.
+
+    A benchmark refused for a bad value or a missing GPU left a new folder behind holding
+    Hydra's ``.hydra/`` and an empty log. The tool's ``preflight`` (a function's dotted
+    path, called with the task's config; it raises one of ``USER_ERRORS``) runs first; then
+    Hydra's writes are taken over (``take_over_run_folder``): the tool's ``RunFolder``
+    makes them once it starts its work (``accept(..., run_record=False)``), and a command
+    refused before that leaves no folder (``abandon``).
+    """
+
+    def __init__(self, preflight: str) -> None:
+        self.preflight = preflight
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Exit with one line, before Hydra creates or writes anything, if the tool's
+        preflight refuses the command; else take Hydra's writes over."""
+        from hydra.utils import get_method
+
+        run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        try:
+            get_method(self.preflight)(task_config(config))
+        except USER_ERRORS as err:
+            sys.exit(f"error: {err}")
+        take_over_run_folder(config, run_dir)
+
+
+class DiagnosisFolderCallback(ToolFolderCallback):
     """Hydra callback of ``recipes/diagnose.py`` (``conf/diagnose.yaml``): refuse a run
-    folder that holds a training run, before Hydra writes into it.
+    folder that holds a training run, or a bad command, before Hydra writes into it.
 
     A diagnosis writes its config (``.hydra/``), its log and its report into its own
     folder. Pointed at a training run's folder (``hydra.run.dir=RUN``), Hydra wrote the
     diagnosis's config over the run's ``.hydra/config.yaml`` and ``hydra.yaml``, and its
-    histograms became a run nested in the run's ``tb/``.
+    histograms became a run nested in the run's ``tb/``. A diagnosis refused for a bad value
+    left a new folder behind (``ToolFolderCallback``).
     """
+
+    def __init__(self, preflight: str = "recipes.preflight.preflight_diagnosis") -> None:
+        super().__init__(preflight)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Exit with one line, before Hydra creates or writes anything, if the folder holds
-        a training run."""
+        a training run or the command is refused; else take Hydra's writes over."""
         run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         if holds_training_run(run_dir):
             sys.exit(
@@ -330,6 +378,7 @@ class DiagnosisFolderCallback(Callback):
                 "out (diagnoses go to outputs/<data>/<model>/diagnose/...) or give a folder "
                 "of its own."
             )
+        super().on_run_start(config, **kwargs)
 
 
 def _take_file_handlers(node: DictConfig, resolved: dict[str, Any]) -> list[tuple[str, str]]:
@@ -416,17 +465,24 @@ class RunFolder:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def accept(self, cfg: DictConfig, write_files: bool = True) -> None:
+    def accept(self, cfg: DictConfig, write_files: bool = True, run_record: bool = True) -> None:
         """The run goes ahead: write its config record and start its log file.
 
         Writes ``config_resolved.yaml`` and, when Hydra's writes were taken over, the
         ``.hydra/`` files Hydra would have written; ``write_files=False`` (DDP ranks other
-        than 0) only starts the log file.
+        than 0) only starts the log file. ``run_record=False`` (the tools' folders:
+        benchmark, diagnosis) writes only what Hydra would have written, ``.hydra/`` and
+        the log: a training run's record (``config_resolved.yaml``, ``run_overrides.yaml``)
+        would make the folder pass for a training run's (``holds_training_run``).
         """
         if self.accepted:
             return
         self.accepted = True
-        if write_files:
+        if write_files and not run_record:
+            self.path.mkdir(parents=True, exist_ok=True)
+            if self._taken is not None and self._taken.output_subdir is not None:
+                self._write_hydra_files(cfg)
+        elif write_files:
             self.path.mkdir(parents=True, exist_ok=True)
             hydra_subdir = self._taken.output_subdir if self._taken is not None else None
             keep_finished_record(self.path, hydra_subdir or ".hydra")

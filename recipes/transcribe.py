@@ -4,6 +4,9 @@ python recipes/transcribe.py outputs/fsdd_digits/conformer_ctc/default a.wav b.w
 python recipes/transcribe.py RUN_DIR a.wav --precision bf16 --device cuda
 
 Without ``--precision`` it labels in the precision the run's test ran in (``results.json``).
+A file that cannot be read (missing, a folder, not audio) is named on stderr and the others
+are labelled; the exit status is then 2. A file far longer than the run's training audio is
+labelled with a warning that names its duration and the training range.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ def as_transcribe_advice(err: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print ``<file>\\t<label>`` per audio file; returns the exit code."""
+    """Print ``<file>\\t<label>`` per readable audio file, then one ``error:`` line
+    per file that cannot be read; returns the exit code (0, or 2 if a file could not be
+    labelled)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", help="run folder (or a checkpoint inside it)")
     parser.add_argument("audio", nargs="+", help="audio files (any rate; resampled)")
@@ -41,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         trained = load_trained(args.run, device=args.device, precision=args.precision)
-        labels = trained.label(args.audio)
+        labels = trained.label_each(args.audio)
     except (
         RunNotFoundError,
         DataError,
@@ -52,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     ) as err:
         print(f"error: {as_transcribe_advice(err)}", file=sys.stderr)
         return 2
+    bad = [label for label in labels if isinstance(label, AudioError)]
     for path, label in zip(args.audio, labels, strict=True):
-        print(f"{path}\t{label}")
-    return 0
+        if not isinstance(label, AudioError):
+            print(f"{path}\t{label}")
+    sys.stdout.flush()  # the labels, then what could not be labelled
+    for err in bad:
+        print(f"error: {as_transcribe_advice(err)}", file=sys.stderr)
+    return 2 if bad else 0
 
 
 if __name__ == "__main__":

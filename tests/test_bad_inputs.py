@@ -101,6 +101,48 @@ def test_cuda_without_gpu_fails_clearly(fsdd_root, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+
+
+@pytest.mark.parametrize(
+    ("script", "overrides", "message"),
+    [
+        ("benchmark.py", ["benchmark.steps=0"], "benchmark.steps=0 is not valid"),
+        pytest.param(
+            "benchmark.py",
+            ["device=cuda"],
+            "device=cuda was requested but no CUDA GPU",
+            marks=NO_GPU,
+        ),
+        ("diagnose.py", ["diagnose.batches=0"], "diagnose.batches=0 must be 1 or more"),
+        pytest.param(
+            "diagnose.py",
+            ["device=cuda"],
+            "device=cuda was requested but no CUDA GPU",
+            marks=NO_GPU,
+        ),
+        # refused once the data is read and the model built (RunFolder.abandon)
+        (
+            "diagnose.py",
+            ["debug=fast", "precision.fp32_modules=[nope]"],
+            "precision.fp32_modules: pattern 'nope' matches no module",
+        ),
+    ],
+)
+def test_a_refused_benchmark_or_diagnosis_leaves_no_folder_behind(
+    fsdd_root, tmp_path, script, overrides, message
+):
+    """A benchmark or a diagnosis refused for a bad value or a missing GPU left a new run
+    folder behind holding Hydra's ``.hydra/`` and an empty log, as training's refusals did
+    before ``RunFolderCallback``."""
+    args = [*overrides, f"data.prepared_dir={tmp_path / 'prepared'}"]
+    result = run_cli(script, [*args, f"hydra.run.dir={tmp_path / 'new' / 'run'}"], fsdd_root)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -129,7 +129,7 @@ def test_compile_notes_warn_when_no_compiled_code_ran():
 def run_small_benchmark(tmp_path: Path, fsdd_root: Path, *overrides: str) -> Path:
     """recipes/benchmark.py on the CPU with batches of 4 and one warm-up step; checks that
     it succeeded and returns its run folder."""
-    return run_recipe(
+    run = run_recipe(
         "benchmark.py",
         tmp_path,
         fsdd_root,
@@ -139,6 +139,11 @@ def run_small_benchmark(tmp_path: Path, fsdd_root: Path, *overrides: str) -> Pat
         "benchmark.warmup_steps=1",
         *overrides,
     )
+    # Hydra's record, written once the benchmark went ahead (RunFolder.accept), and the log
+    # with its lines from before that
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / ".hydra" / "hydra.yaml").is_file()
+    assert "utterances" in (run / "benchmark.log").read_text()
+    return run
 
 
 def test_benchmark_cli_times_every_mode_on_real_data(tmp_path, fsdd_root):
@@ -297,6 +302,7 @@ def test_bad_benchmark_values_fail_with_one_line_before_any_work(arg, message, f
     result = run_cli("benchmark.py", [arg, f"hydra.run.dir={tmp_path / 'run'}"], fsdd_root)
     assert result.returncode == 1 and f"error: {message}" in result.stderr
     assert "Traceback" not in result.stderr and "Preparing" not in result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()  # refused: no folder left behind
 
 
 def test_each_precision_is_timed_without_the_previous_precisions_brain(

@@ -463,3 +463,85 @@ def test_a_signal_to_the_whole_ddp_job_checkpoints_and_resumes(prepared_digits, 
     assert len(mid_epoch) == 1, output[-3000:]
     run_train([*args, f"hydra.run.dir={run_dir}"], nproc=2)  # and exits
     assert RESUMED.search((run_dir / "train.log").read_text())
+
+
+def run_with_a_signal(args: list[str], rank: int, at: str, tmp_path: Path) -> str:
+    """Run a 2-process ``recipes/train.py`` with ``args`` in which rank ``rank`` sends itself
+    SIGTERM before its first call of ``at`` (``module:Class.method``); returns the output.
+    A run that does not end in 120 s fails the test, and leaves no process behind."""
+    from tests.test_kill_resume import child_pids, kill_group
+    from tests.test_run_records import _WRAPPER
+
+    wrapper = tmp_path / "signalling_wrapper.py"
+    wrapper.write_text(_WRAPPER)
+    env = {
+        **ENV,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), ENV.get("PYTHONPATH")])),
+        "RECIPES": str(REPO_ROOT / "recipes"),
+        **{"KILL_AT": at, "KILL_SIG": "SIGTERM", "KILL_RANK": str(rank)},
+    }
+    launcher = recipe_command("train.py", args, nproc=2)
+    script = launcher.index(str(REPO_ROOT / "recipes" / "train.py"))
+    command = [*launcher[:script], str(wrapper), "train.py", *args]
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output = proc.communicate(timeout=120)[0].decode()
+    except subprocess.TimeoutExpired:
+        ranks = child_pids(proc.pid)
+        for pgid in (proc.pid, *ranks):
+            kill_group(pgid)
+        pytest.fail(f"the run hung after a SIGTERM to rank {rank} at {at}")
+    assert proc.returncode != 0, output[-3000:]
+    return output
+
+
+def test_a_signal_to_one_rank_outside_fit_ends_both_with_one_line_each(
+    data_args,
+    tmp_path,
+):
+    """A SIGTERM to one rank outside the epochs (its test starting, its results about to be
+    written) while the other waits for it in a collective (the test's sums, the barrier
+    before the records): the signalled rank stops at once with the line of what it
+    interrupted, the waiting one does not hang (gloo's timeout: 30 minutes) but ends with
+    one line too (its peer ended, or torchrun's SIGTERM), no traceback from either, no
+    results written; the same command then finishes the run."""
+    run_dir = tmp_path / "run"
+    args = [
+        *[a for a in COMMON if not a.startswith(("model.", "trainer.ckpt_interval"))],
+        "model=xvector",
+        "model.channels=32",
+        "model.embedding_dim=16",
+        *data_args,
+        f"hydra.run.dir={run_dir}",
+    ]
+    stops = [
+        # rank 1 as its test starts; rank 0 tests and waits in the test's sums
+        (1, "recipes.audio_brain:AudioBrain.evaluate_best", "testing the best checkpoint"),
+        # rank 0 before the barrier of the results; rank 1 waits in it
+        (0, "recipes.experiment:ddp_barrier", "writing the results"),
+    ]
+    for rank, at, phase in stops:
+        output = run_with_a_signal(args, rank, at, tmp_path)
+        lines = [
+            line
+            for line in output.splitlines()
+            if line.startswith(
+                ("Received SIGTERM while", "error: Another process of this DDP run ended")
+            )
+        ]
+        assert len(lines) == 2, output[-3000:]  # one per rank
+        assert any(
+            line.startswith(f"Received SIGTERM while {phase}: stopped there") for line in lines
+        ), output[-3000:]
+        assert all("Run the same command again to resume" in line for line in lines)
+        assert f'File "{REPO_ROOT}' not in output, output[-3000:]  # no rank's traceback
+        assert not (run_dir / "results.json").exists()
+    run_train(args, nproc=2)  # and succeeds
+    assert results(run_dir)["world_size"] == 2 and results(run_dir)["test_metrics"]

@@ -819,6 +819,8 @@ def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
     assert compiled["state_bytes"] == eager["state_bytes"] > 0
     assert "Counted by dtype only" in (run_dir / "activation_memory_compiled.md").read_text()
     assert "activation memory compiled as training compiles the model" in result.stdout
+    hydra_config = (run_dir / ".hydra" / "config.yaml").read_text()  # written on acceptance
+    assert "batches: 1" in hydra_config and "fp16: safe" in (run_dir / "diagnose.log").read_text()
     bad = run_command(recipe_command("diagnose.py", [*args, "precision.fp32_modules=[nope]"]), env)
     assert bad.returncode == 1
     assert (
@@ -826,6 +828,7 @@ def test_diagnose_command_line_writes_the_report(tmp_path, fsdd_root):
         .splitlines()[-1]
         .startswith("error: precision.fp32_modules: pattern 'nope' matches no module")
     )
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == hydra_config  # the refused one's not
 
 
 # ------------------------------------------------------------------ low_precision_norms

@@ -950,6 +950,68 @@ def test_transcribe_errors_give_its_own_flags(cli_run, fsdd_recordings):
     assert "--device cpu" in result.stderr and "device=cpu" not in result.stderr
 
 
+def test_transcribe_labels_the_readable_files_and_names_each_bad_one(
+    cli_run, fsdd_recordings, tmp_path
+):
+    """One bad file among several (missing, a folder, not audio) printed no label at all,
+    only the first bad file's error: the good files are labelled, every bad one is named,
+    and the exit status says that not everything was labelled."""
+    not_audio = tmp_path / "notes.wav"
+    not_audio.write_text("not audio")
+    good = [str(fsdd_recordings / "3_theo_0.wav"), str(fsdd_recordings / "7_george_1.wav")]
+    bad = [str(tmp_path / "missing.wav"), str(tmp_path), str(not_audio)]
+    files = [good[0], *bad, good[1]]
+    result = run_cli("transcribe.py", [str(cli_run), *files, "--device", "cpu"], fsdd_recordings)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert [line.split("\t")[0] for line in result.stdout.splitlines()] == good
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 3
+    for path, error in zip(bad, errors, strict=True):
+        assert f" {path}" in error and error.endswith(
+            "Fix: pass a readable audio file (wav, flac, ...)."
+        )
+    assert "it is a folder" in errors[1]
+
+
+def test_transcribe_warns_about_a_file_far_longer_than_the_training_audio(
+    cli_run, fsdd_recordings, tmp_path
+):
+    """A 60-s recording given to the single-digit model (trained on clips of 0.16-2.28 s) was
+    labelled without a word: one warning line names the file, its duration and the training
+    range (``labels.json``; for runs from before, the training manifest)."""
+    import soundfile
+
+    digit = str(fsdd_recordings / "3_theo_0.wav")
+    wav, rate = soundfile.read(digit, dtype="float32")
+    long_file = tmp_path / "minute.wav"
+    soundfile.write(long_file, wav.repeat(1 + 60 * rate // len(wav))[: 60 * rate], rate)
+    record = json.loads((cli_run / "results.json").read_text())["dataset"]["splits"]["train"]
+    shortest, longest = record["min_seconds"], record["max_seconds"]
+    assert 0 < shortest < longest < 3
+    assert json.loads((cli_run / "labels.json").read_text())["train_seconds"] == [
+        shortest,
+        longest,
+    ]
+    result = run_cli("transcribe.py", [str(cli_run), digit, str(long_file)], fsdd_recordings)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [line.split("\t")[0] for line in result.stdout.splitlines()] == [digit, str(long_file)]
+    warnings = [line for line in result.stderr.splitlines() if "training audio" in line]
+    assert warnings == [
+        f"{long_file} holds 60.0 s of audio, far longer than the model's training audio "
+        f"({shortest:.2f}-{longest:.2f} s): its label may be wrong. Fix: cut it into clips "
+        "of the training lengths."
+    ]
+    # A run from before labels.json recorded the range: its training manifest gives it.
+    older = tmp_path / "older_run"
+    shutil.copytree(cli_run, older)
+    labels = json.loads((older / "labels.json").read_text())
+    del labels["train_seconds"]
+    (older / "labels.json").write_text(json.dumps(labels))
+    assert load_trained(older, device="cpu").train_seconds == pytest.approx(
+        (shortest, longest), abs=1e-3
+    )
+
+
 def test_transcribe_says_a_clip_is_too_short_in_one_line(cli_run, fsdd_recordings, tmp_path):
     """16 ms of audio gives the subsampling fewer frames than its kernel (a traceback)."""
     import soundfile

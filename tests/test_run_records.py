@@ -28,26 +28,30 @@ TINY = [*FAST, "model=xvector", "model.channels=32", "model.embedding_dim=16"]
 
 #: ``python WRAPPER SCRIPT ARGS...`` runs ``recipes/SCRIPT`` with ``KILL_AT``
 #: (``module:Class.method``) patched to send ``KILL_SIG`` to the process after
-#: (``KILL_WHEN=after``) or before its ``KILL_NTH`` call.
+#: (``KILL_WHEN=after``) or before its ``KILL_NTH`` call. Under ``torchrun``, ``KILL_RANK``
+#: (if set) patches that rank's process only.
 _WRAPPER = """
 import importlib, os, runpy, signal, sys
-module, attr = os.environ["KILL_AT"].split(":")
-owner = importlib.import_module(module)
-*path, name = attr.split(".")
-for part in path:
-    owner = getattr(owner, part)
-original = getattr(owner, name)
-calls = [0]
-def patched(*args, **kwargs):
-    calls[0] += 1
-    hit = calls[0] == int(os.environ.get("KILL_NTH", "1"))
-    if hit and os.environ.get("KILL_WHEN") != "after":
-        os.kill(os.getpid(), getattr(signal, os.environ["KILL_SIG"]))
-    out = original(*args, **kwargs)
-    if hit and os.environ.get("KILL_WHEN") == "after":
-        os.kill(os.getpid(), getattr(signal, os.environ["KILL_SIG"]))
-    return out
-setattr(owner, name, patched)
+def patch():
+    module, attr = os.environ["KILL_AT"].split(":")
+    owner = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+    calls = [0]
+    def patched(*args, **kwargs):
+        calls[0] += 1
+        hit = calls[0] == int(os.environ.get("KILL_NTH", "1"))
+        if hit and os.environ.get("KILL_WHEN") != "after":
+            os.kill(os.getpid(), getattr(signal, os.environ["KILL_SIG"]))
+        out = original(*args, **kwargs)
+        if hit and os.environ.get("KILL_WHEN") == "after":
+            os.kill(os.getpid(), getattr(signal, os.environ["KILL_SIG"]))
+        return out
+    setattr(owner, name, patched)
+if os.environ.get("KILL_RANK") in (None, os.environ.get("RANK")):
+    patch()
 sys.argv = [os.path.join(os.environ["RECIPES"], sys.argv[1]), *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
