@@ -175,9 +175,42 @@ class TrainedModel:
             )
         return wav
 
-    @torch.no_grad()
     def _label_waves(self, audio_paths: list[str | Path], wavs: list[torch.Tensor]) -> list[str]:
-        """The labels of the loaded audio ``wavs`` (of ``audio_paths``), as one batch."""
+        """The labels of the loaded audio ``wavs`` (of ``audio_paths``), in their order.
+
+        Files go through the model shortest first, in batches of at most the run's
+        ``data.max_batch_seconds`` padded seconds (one file alone may exceed it): one batch
+        of them all padded every file to the longest one's length, so a long recording
+        among many short ones asked for memory in proportion to both. Padding does not
+        change a file's label (the models mask it), so the batches do not either.
+        """
+        budget = float(
+            OmegaConf.select(self.cfg, "data.max_batch_seconds", default=None)
+            or DEFAULT_BATCH_SECONDS
+        )
+        rate = self.cfg.data.sample_rate
+        labels: list[str] = [""] * len(wavs)
+        batch: list[int] = []
+        for index in sorted(range(len(wavs)), key=lambda i: len(wavs[i])):
+            if batch and (len(batch) + 1) * len(wavs[index]) / rate > budget:
+                self._label_batch(batch, audio_paths, wavs, labels)
+                batch = []
+            batch.append(index)
+        if batch:
+            self._label_batch(batch, audio_paths, wavs, labels)
+        return labels
+
+    @torch.no_grad()
+    def _label_batch(
+        self,
+        indices: list[int],
+        all_paths: list[str | Path],
+        all_wavs: list[torch.Tensor],
+        labels: list[str],
+    ) -> None:
+        """Label the files at ``indices`` as one padded batch, into ``labels``."""
+        audio_paths = [all_paths[i] for i in indices]
+        wavs = [all_wavs[i] for i in indices]
         rate = self.cfg.data.sample_rate
         speaker = self.speakers[0] if self.speakers else ""
         utts = [
@@ -190,7 +223,9 @@ class TrainedModel:
             with TorchAutocast(device_type=self.device.type, dtype=self.amp.dtype):
                 feats, feat_lens = self.features(batch.wavs, batch.wav_lens)
                 outputs = self.model(feats, feat_lens)
-                return self.task.predict(outputs, self.labels)
+                predicted = self.task.predict(outputs, self.labels)
+                for index, label in zip(indices, predicted, strict=True):
+                    labels[index] = label
         except RuntimeError as err:
             shortest = min(utts, key=lambda utt: utt.duration)
             if shortest.duration >= MIN_CLIP_SECONDS:
@@ -201,6 +236,10 @@ class TrainedModel:
                 f"{MIN_CLIP_SECONDS} s."
             ) from None
 
+
+#: Padded seconds of audio per labelling batch for a run whose config has no
+#: ``data.max_batch_seconds`` (the single-digit recipe's default).
+DEFAULT_BATCH_SECONDS = 30.0
 
 #: A file more than this many times the longest training utterance gets a warning: the
 #: models saw nothing like it (FSDD's training digits last 0.16-2.28 s, a 60-s recording

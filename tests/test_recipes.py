@@ -973,6 +973,45 @@ def test_transcribe_labels_the_readable_files_and_names_each_bad_one(
     assert "it is a folder" in errors[1]
 
 
+def test_transcribe_labels_many_files_in_batches_of_the_runs_budget(
+    cli_run, fsdd_recordings, monkeypatch
+):
+    """All files went through the model as one padded batch: a folder of recordings with
+    one long file padded every file to its length (a 60-s file among 3,000 digits asks
+    the Conformer's attention for ~100 GB). Files are labelled shortest first in batches of
+    at most ``data.max_batch_seconds`` padded seconds, and each label comes back to its
+    file."""
+    from recipes import inference
+    from recipes.inference import load_trained
+
+    trained = load_trained(cli_run, device="cpu")
+    budget = 3.0
+    trained.cfg.data.max_batch_seconds = budget
+    rate = trained.cfg.data.sample_rate
+
+    class FrameCounts:  # each file's label: its output frames (tells the files apart)
+        @staticmethod
+        def predict(outputs, labels):
+            return [str(int(n)) for n in outputs[1]]
+
+    monkeypatch.setattr(inference.TrainedModel, "task", property(lambda self: FrameCounts))
+    padded: list[float] = []
+    trained.features.register_forward_hook(
+        lambda module, args, out: padded.append(args[0].shape[0] * args[0].shape[1] / rate)
+    )
+    files = sorted(fsdd_recordings.glob("*_jackson_1*.wav"))[:3]
+    files += sorted(fsdd_recordings.glob("*_theo_2*.wav"))[:3]
+    files += sorted(fsdd_recordings.glob("*_yweweler_3*.wav"))[:3]
+    alone = [trained.label([path])[0] for path in files]
+    padded.clear()
+
+    together = trained.label(files)
+
+    assert together == alone  # each file's own label, in the order given
+    assert len(padded) > 1 and all(seconds <= budget for seconds in padded), padded
+    assert len(set(alone)) > 1  # the files differ in length: the order is checked
+
+
 def test_transcribe_warns_about_a_file_far_longer_than_the_training_audio(
     cli_run, fsdd_recordings, tmp_path
 ):
