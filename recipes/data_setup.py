@@ -271,6 +271,32 @@ def make_datasets(
     }
 
 
+def check_enough_speakers(cfg: DictConfig, speakers: list[str]) -> None:
+    """Refuse speaker ID whose training split has fewer than two speakers.
+
+    The training speakers are the classes: with one, the classifier has nothing to tell
+    apart, its loss is 0 from the first step and every validation and test utterance is
+    "identified" (accuracy 100 %), a figure that says nothing. (A manifest whose ``speaker``
+    column holds one name for everything, or a few connected-digit utterances that all
+    drew one speaker, did exactly that.)
+
+    Raises:
+        DataError: fewer than two speakers, naming them and the fix.
+    """
+    if len(speakers) >= 2:
+        return
+    found = f"{len(speakers)} ({', '.join(repr(s) for s in speakers)})" if speakers else "none"
+    if cfg.data.name == "fsdd_connected":
+        fix = "raise data.num_train (each utterance draws one speaker)"
+    else:
+        fix = "give the training manifest (data.train) utterances of at least two speakers"
+    raise DataError(
+        f"model={cfg.model.name} identifies the speakers of its training split, which has "
+        f"{found}: with fewer than two there is nothing to tell apart (the accuracy would be "
+        f"100 % whatever the model heard). Fix: {fix}, or train an ASR model."
+    )
+
+
 def build_data(
     cfg: DictConfig, device: torch.device, dist_info: DistributedInfo | None = None
 ) -> DataBundle:
@@ -287,6 +313,7 @@ def build_data(
     tokenizer = CharTokenizer() if task.needs_tokenizer else None
     if task.closed_set_speakers:  # the speakers are the classes: those trained on
         speakers = sorted({utt.speaker for utt in utterances["train"]})
+        check_enough_speakers(cfg, speakers)
     else:  # speakers are not predicted; test speakers may be unseen
         speakers = sorted({utt.speaker for split in utterances.values() for utt in split})
     datasets = make_datasets(
