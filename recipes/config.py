@@ -41,7 +41,7 @@ from recipes.audio_brain import AVERAGE_FROM
 from recipes.augment import build_augment, build_wave_augment
 from recipes.frontend import NORMALIZATIONS, PAD_MODES, build_features
 from recipes.modules import MODULE_KEYS, build_model
-from recipes.schema import OPTION_SCHEMAS, Precision, schema_help
+from recipes.schema import OPTION_SCHEMAS, SCHEMA_GROUP, Precision, schema_help
 from recipes.tasks import UnknownTaskError, task_for
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -227,20 +227,31 @@ def _field_schemas(schema: type) -> dict[str, tuple[type, ...]]:
     return out
 
 
-def _unknown_key(parts: list[str], schemas: tuple[type, ...], where: str) -> str | None:
-    """The refusal of key ``parts`` (below ``where``) if none of ``schemas`` has it, else None."""
+def _unknown_key(
+    parts: list[str],
+    schemas: tuple[type, ...],
+    where: str,
+    chosen: tuple[str, type] | None = None,
+) -> str | None:
+    """The refusal of key ``parts`` (below ``where``) if none of ``schemas`` has it, else None.
+
+    ``chosen``: the group option the command line picks (``model=xvector``) and its schema;
+    the close match and the valid keys of a refusal are then that option's, not those of
+    every option of the group (``model.num_speakers`` with ``model=xvector`` was answered
+    "Did you mean model.num_layers?", a Conformer key that x-vector runs refuse as well).
+    """
     fields: dict[str, tuple[type, ...]] = {}
     for schema in schemas:
         for name, kinds in _field_schemas(schema).items():
             fields[name] = (*fields.get(name, ()), *kinds)
     head = parts[0]
     if head not in fields:
-        close = difflib.get_close_matches(head, sorted(fields), n=1)
+        valid, whose = sorted(fields), where.rstrip(".") or "top-level"
+        if chosen is not None:
+            valid, whose = sorted(_field_schemas(chosen[1])), f"{whose}={chosen[0]}"
+        close = difflib.get_close_matches(head, valid, n=1)
         hint = f" Did you mean {where}{close[0]}?" if close else ""
-        return (
-            f"{where}{head} is not a config key.{hint} Valid "
-            f"{where.rstrip('.') or 'top-level'} keys: {', '.join(sorted(fields))}."
-        )
+        return f"{where}{head} is not a config key.{hint} Valid {whose} keys: {', '.join(valid)}."
     if len(parts) == 1 or not fields[head]:
         return None  # a value (a list or dict value's own keys are not checked here)
     return _unknown_key(parts[1:], fields[head], f"{where}{head}.")
@@ -264,6 +275,30 @@ def _sets_a_value(override: Override) -> bool:
     return not (override.is_add() or override.is_force_add() or override.is_delete())
 
 
+def _chosen_option(overrides: Iterable[str], group: str) -> tuple[str, type] | None:
+    """``(option, its schema)`` of the one option of ``group`` that the command line picks
+    (``model=xvector``: ``("xvector", XvectorConfig)``); None when it picks none (the default
+    or a preset's), sweeps over several, or the option's schema is not found."""
+    picked = [
+        override
+        for _, override in _parsed_overrides(overrides)
+        if override.key_or_group == group and override.package is None and _sets_a_value(override)
+    ]
+    if len(picked) != 1 or picked[0].is_sweep_override():
+        return None
+    option = str(picked[0].value())
+    path = CONF_DIR / group / f"{option}.yaml"
+    if not path.is_file():
+        return None  # Hydra lists the group's options
+    schemas = dict(OPTION_SCHEMAS.get(group, ()))
+    defaults = OmegaConf.load(path).get("defaults") or []
+    for item in defaults:
+        match = re.fullmatch(rf"/{SCHEMA_GROUP}/(\w+)@_here_", str(item))
+        if match and match.group(1) in schemas:
+            return option, schemas[match.group(1)]
+    return None
+
+
 def check_override_keys(overrides: Iterable[str], root: type) -> None:
     """Refuse, before Hydra composes anything, a ``key=value`` override of a key that no
     schema has (``trainer.epoch=3``), naming the close match and the valid keys.
@@ -281,6 +316,7 @@ def check_override_keys(overrides: Iterable[str], root: type) -> None:
     Raises:
         ConfigError: one line for the first unknown key.
     """
+    overrides = list(overrides)
     for _, override in _parsed_overrides(overrides):
         key = override.key_or_group
         if not _sets_a_value(override):
@@ -292,7 +328,12 @@ def check_override_keys(overrides: Iterable[str], root: type) -> None:
         parts = key.split(".")
         group_schemas = OPTION_SCHEMAS.get(parts[0])
         if group_schemas and len(parts) > 1:
-            refusal = _unknown_key(parts[1:], tuple(s for _, s in group_schemas), f"{parts[0]}.")
+            refusal = _unknown_key(
+                parts[1:],
+                tuple(s for _, s in group_schemas),
+                f"{parts[0]}.",
+                _chosen_option(overrides, parts[0]),
+            )
         else:
             refusal = _unknown_key(parts, (root,), "")
         if refusal:

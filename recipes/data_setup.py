@@ -283,6 +283,53 @@ def make_datasets(
     }
 
 
+def check_closed_set_speakers(cfg: DictConfig, utterances: dict[str, list]) -> list[str]:
+    """The classes of speaker ID: the training split's speakers, sorted; refuses data that
+    speaker ID cannot score.
+
+    With fewer than two training speakers the classifier has nothing to tell apart: its loss
+    is 0 from the first step and every validation and test utterance is "identified"
+    (accuracy 100 %), a figure that says nothing (a manifest whose ``speaker`` column holds
+    one name for everything, or a few connected-digit utterances that all drew one speaker,
+    did exactly that). A validation or test speaker absent from training cannot be named;
+    the dataset refused it with advice for manifests ("build evaluation sets with the
+    training set's speakers") also where the splits are generated (connected digits).
+
+    Raises:
+        DataError: naming the speakers and the fix for the configured data set.
+    """
+    speakers = sorted({utt.speaker for utt in utterances["train"]})
+    connected = cfg.data.name == "fsdd_connected"
+    if len(speakers) < 2:
+        found = f"{len(speakers)} ({', '.join(map(repr, speakers))})" if speakers else "none"
+        fix = (
+            "raise data.num_train (each utterance draws one speaker)"
+            if connected
+            else "give the training manifest (data.train) utterances of at least two speakers"
+        )
+        raise DataError(
+            f"model={cfg.model.name} identifies the speakers of its training split, which has "
+            f"{found}: with fewer than two there is nothing to tell apart (the accuracy would "
+            f"be 100 % whatever the model heard). Fix: {fix}, or train an ASR model."
+        )
+    for split in ("valid", "test"):
+        unseen = sorted({utt.speaker for utt in utterances[split]} - set(speakers))
+        if not unseen:
+            continue
+        fix = (
+            "raise data.num_train, so that the training utterances draw every speaker"
+            if connected
+            else f"drop their utterances from the {split} manifest, or add some of theirs to "
+            "the training manifest (data.train)"
+        )
+        raise DataError(
+            f"The {split} split has speakers that the training split has not, "
+            f"{', '.join(map(repr, unseen))}: model={cfg.model.name} can only name the "
+            f"speakers it trained on ({', '.join(speakers)}). Fix: {fix}."
+        )
+    return speakers
+
+
 def build_data(
     cfg: DictConfig, device: torch.device, dist_info: DistributedInfo | None = None
 ) -> DataBundle:
@@ -298,7 +345,7 @@ def build_data(
     task = task_for(cfg.model)
     tokenizer = CharTokenizer() if task.needs_tokenizer else None
     if task.closed_set_speakers:  # the speakers are the classes: those trained on
-        speakers = sorted({utt.speaker for utt in utterances["train"]})
+        speakers = check_closed_set_speakers(cfg, utterances)
     else:  # speakers are not predicted; test speakers may be unseen
         speakers = sorted({utt.speaker for split in utterances.values() for utt in split})
     datasets = make_datasets(

@@ -12,12 +12,15 @@ overrides, rebuilds the data and the Brain and tests the checkpoint the run test
 best by the validation metric, or the same average). Nothing in the run folder is written:
 the metrics are printed, ``--json FILE`` saves them to a new file, and ``--errors FILE``
 writes a new markdown file with each run's wrong utterances, its errors per speaker and its
-most frequent confusions (``recipes/error_analysis.py``).
+most frequent confusions (``recipes/error_analysis.py``). A speaker-ID run whose training
+data now names other speakers than its ``labels.json`` is refused (its classes would be
+read as other speakers).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import sys
@@ -29,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from amp_utils import resolve_device
 from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.interruption import run_phase, signals_held
+from data.errors import DataError
 from recipes.audio_brain import LEGACY_AVERAGE_FROM, format_metrics
 from recipes.data_setup import build_data
 from recipes.error_analysis import error_report
@@ -42,6 +46,7 @@ from recipes.inference import (
 )
 from recipes.preflight import USER_ERRORS, preflight, run_options
 from recipes.resolvers import register_resolvers
+from recipes.run_folder import LABELS_FILE
 from recipes.task import LEGACY_BEAM_SIZE, LEGACY_DECODER
 from recipes.tasks import task_for
 
@@ -87,6 +92,34 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def check_trained_speakers(run_dir: Path, cfg: DictConfig, speakers: tuple[str, ...]) -> None:
+    """Refuse to re-test a speaker-ID run whose training data now has other speakers.
+
+    The model's classes are the speakers of the run's training split, in the order its
+    ``labels.json`` records; the re-test rebuilds the data and numbers the speakers of the
+    training split as it reads now. A manifest edited since (a speaker added, removed or
+    renamed) numbered them otherwise: the checkpoint then failed to load as "written by a
+    different model", or, with as many speakers as before, its classes were read as other
+    speakers and the accuracy was silently wrong. ASR predicts no speakers: not checked.
+
+    Raises:
+        DataError: the speakers differ, naming both lists and the fix.
+    """
+    if not task_for(cfg.model).closed_set_speakers:
+        return
+    try:
+        trained = json.loads((run_dir / LABELS_FILE).read_text())["speakers"]
+    except (OSError, ValueError, KeyError, TypeError):  # a run from before labels.json
+        return
+    if list(trained) != list(speakers):
+        raise DataError(
+            f"{run_dir} identifies the speakers it was trained on, {list(trained)} (its "
+            f"{LABELS_FILE}), but its training data now has {list(speakers)}: the model's "
+            "classes would be read as other speakers. Fix: re-test it with the training "
+            "manifest it was trained on (data.train=PATH), or train a new run on the new data."
+        )
+
+
 def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str = "test") -> dict:
     """Test a finished run's tested checkpoint on ``split`` under ``overrides``.
 
@@ -109,6 +142,7 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     device = resolve_device(run_options(cfg).device)
     with run_phase(f"evaluating {run_dir}"), build_data(cfg, device) as data:
         # each run's loader workers end with its evaluation, a signal's too
+        check_trained_speakers(run_dir, cfg, data.speakers)
         brain = build_brain(cfg, data, run_dir, tensorboard=None)
         metrics = brain.evaluate_best(getattr(data, split))
     return {

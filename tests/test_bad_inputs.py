@@ -320,7 +320,11 @@ def test_empty_data_folder_without_network(tmp_path):
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, manifests):
-    paths, _ = manifests
+    paths, rows = manifests
+    # two speakers, so that the speaker-ID run is not refused for its data first
+    two_speakers = [{**row, "speaker": ("theo", "lucas")[i % 2]} for i, row in enumerate(rows)]
+    for path in paths.values():
+        write_rows(path, two_speakers)
     train(manifest_cfg(tmp_path, paths, "trainer.debug_epochs=1", "trainer.epochs=1"))
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("CKPT+*"))
     before = [(c / "state.pt").read_bytes() for c in ckpts]
@@ -328,6 +332,45 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, manifests):
         train(manifest_cfg(tmp_path, paths, "model=xvector", "trainer.epochs=2"))
     assert [(c / "state.pt").read_bytes() for c in ckpts] == before  # nothing touched
     shutil.rmtree(tmp_path / "run")
+
+
+def test_speaker_id_with_one_training_speaker_is_refused(tmp_path, manifests):
+    """The training speakers are speaker ID's classes: with one (here every row is theo's)
+    the loss was 0 from the first step and the run reported a test accuracy of 100 %."""
+    paths, _ = manifests
+    with pytest.raises(DataError, match=r"has 1 \('theo'\).*at least two speakers"):
+        train(manifest_cfg(tmp_path, paths, "model=xvector"))
+    assert not (tmp_path / "run" / "results.json").exists()
+    assert not list((tmp_path / "run").glob("checkpoints/CKPT+*"))
+
+
+def test_speaker_id_names_the_fix_for_evaluation_speakers_it_never_trained_on(
+    tmp_path, manifests, fsdd_root
+):
+    """Speaker ID can only name its training speakers. An unseen validation speaker was
+    refused with advice for manifests ("build evaluation sets with the training set's
+    speakers") also for connected digits, whose splits the recipe draws: there the fix is
+    more training utterances (3 of them drew 2 of the 6 speakers)."""
+    paths, rows = manifests
+    write_rows(
+        paths["train"], [{**r, "speaker": ("theo", "lucas")[i % 2]} for i, r in enumerate(rows)]
+    )
+    write_rows(paths["valid"], [{**r, "speaker": "george"} for r in rows])
+    with pytest.raises(DataError, match=r"valid split has speakers .* 'george'.*drop their"):
+        train(manifest_cfg(tmp_path, paths, "model=xvector"))
+    connected = [
+        *FAST,
+        "model=xvector",
+        "data=fsdd_connected",
+        f"data.root={fsdd_root}",
+        f"data.prepared_dir={tmp_path / 'prepared'}",
+        "data.num_train=3",
+        "data.num_valid=4",
+        "data.num_test=4",
+        f"output_dir={tmp_path / 'connected'}",
+    ]
+    with pytest.raises(DataError, match=r"training split has not.*Fix: raise data.num_train"):
+        train(compose_config(connected))
 
 
 def test_help_lists_every_option_with_its_description_keys_and_examples(fsdd_root):

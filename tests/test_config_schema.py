@@ -71,6 +71,13 @@ def test_overriding_an_unknown_key_is_refused_while_composing():
         (["model.chanels=8"], "Did you mean model.channels?"),  # x-vector's, not the default's
         (["-m", "seed=1,2", "model.lrr=1,2"], "model.lrr is not a config key"),  # a sweep
         (["data.num_trian=5"], "Did you mean data.num_train?"),  # fsdd_connected's
+        # the option picked on the command line: its keys, not a Conformer key ("Did you mean
+        # model.num_layers?", which an x-vector run refuses too)
+        (
+            ["model=xvector", "model.num_speakers=3"],
+            "model.num_speakers is not a config key. Valid model=xvector keys: channels, dropout,",
+        ),
+        (["model=xvector", "model.chanels=8"], "model.channels? Valid model=xvector keys: ch"),
     ],
 )
 def test_an_override_of_an_unknown_key_is_refused_with_the_close_match(args, message):

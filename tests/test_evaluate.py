@@ -9,6 +9,7 @@ import pytest
 from recipes.audio_brain import LEGACY_AVERAGE_FROM
 from recipes.evaluate import main, mean_metrics, run_config, split_arguments
 from recipes.task import LEGACY_DECODER
+from tests.recipe_helpers import FAST, MANIFEST_8K, run_cli
 
 
 def make_run(folder: Path, started: bool = True) -> str:
@@ -161,3 +162,39 @@ def test_an_override_without_its_value_is_named_as_one(tmp_path, capsys) -> None
         "error: model.decoder is neither a run folder nor a key=value override: give the key "
         "a value (e.g. model.decoder=...).\n"
     )
+
+
+def test_a_speaker_run_whose_training_speakers_changed_is_refused(
+    tmp_path, fsdd_root, fsdd_recordings, capsys
+) -> None:
+    """A speaker-ID run's classes are its training speakers as its labels.json lists them;
+    a re-test rebuilds the data from the manifests as they read now. With a speaker added
+    to the training manifest since, the checkpoint failed to load "written by a different
+    model or configuration" (with a speaker swapped instead, as many classes as before,
+    they were silently read as other speakers). It is refused, naming both lists."""
+    manifests = {}
+    for split, indices in (("train", range(10, 14)), ("valid", (5,)), ("test", (0,))):
+        rows = [
+            f"{d}_{s}_{i},{fsdd_recordings / f'{d}_{s}_{i}.wav'},0.5,x,{s}"
+            for s in ("lucas", "theo")
+            for d in range(3)
+            for i in indices
+        ]
+        manifests[split] = tmp_path / f"{split}.csv"
+        manifests[split].write_text("id,path,duration,transcript,speaker\n" + "\n".join(rows))
+    args = [
+        *FAST,
+        *MANIFEST_8K,
+        *(f"data.{split}={path}" for split, path in manifests.items()),
+        "model=xvector",
+        "model.channels=16",
+        "model.embedding_dim=8",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    result = run_cli("train.py", args, fsdd_root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(manifests["train"], "a") as file:  # the manifest gains a speaker
+        file.write(f"\n0_george_10,{fsdd_recordings / '0_george_10.wav'},0.5,x,george")
+    assert main([str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "trained on, ['lucas', 'theo']" in err and "['george', 'lucas', 'theo']" in err
