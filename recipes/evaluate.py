@@ -14,7 +14,7 @@ the metrics are printed, ``--json FILE`` saves them to a new file, and ``--error
 writes a new markdown file with each run's wrong utterances, its errors per speaker and its
 most frequent confusions (``recipes/error_analysis.py``). A speaker-ID run whose training
 data now names other speakers than its ``labels.json`` is refused (its classes would be
-read as other speakers).
+read as other speakers); an ASR run decodes with the words its ``labels.json`` records.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from amp_utils.atomic import atomic_write_json, atomic_write_text
 from amp_utils.interruption import run_phase, signals_held
 from data.errors import DataError
 from recipes.audio_brain import LEGACY_AVERAGE_FROM, format_metrics
-from recipes.data_setup import build_data
+from recipes.data_setup import DataBundle, build_data
 from recipes.error_analysis import error_report
 from recipes.experiment import build_brain
 from recipes.inference import (
@@ -92,32 +92,54 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def check_trained_speakers(run_dir: Path, cfg: DictConfig, speakers: tuple[str, ...]) -> None:
-    """Refuse to re-test a speaker-ID run whose training data now has other speakers.
+def use_trained_labels(run_dir: Path, cfg: DictConfig, data: DataBundle) -> None:
+    """Re-test with the labels the run was trained with (its ``labels.json``), not those of
+    its training data as it reads now.
 
-    The model's classes are the speakers of the run's training split, in the order its
+    A speaker-ID model's classes are the speakers of its training split, in the order its
     ``labels.json`` records; the re-test rebuilds the data and numbers the speakers of the
     training split as it reads now. A manifest edited since (a speaker added, removed or
     renamed) numbered them otherwise: the checkpoint then failed to load as "written by a
     different model", or, with as many speakers as before, its classes were read as other
-    speakers and the accuracy was silently wrong. ASR predicts no speakers: not checked.
+    speakers and the accuracy was silently wrong. That is refused.
+
+    ASR's lexicon decoder says only the training transcripts' words: rebuilt from a manifest
+    that gained a word since, the re-test decoded with another lexicon than the run's test
+    (and ``transcribe.py``, which reads ``labels.json``). The run's words are used, with a
+    warning naming the difference.
 
     Raises:
         DataError: the speakers differ, naming both lists and the fix.
     """
-    if not task_for(cfg.model).closed_set_speakers:
-        return
     try:
-        trained = json.loads((run_dir / LABELS_FILE).read_text())["speakers"]
+        recorded = json.loads((run_dir / LABELS_FILE).read_text())
+        trained, words = recorded["speakers"], recorded.get("words")
     except (OSError, ValueError, KeyError, TypeError):  # a run from before labels.json
         return
-    if list(trained) != list(speakers):
+    if task_for(cfg.model).closed_set_speakers and list(trained) != list(data.speakers):
         raise DataError(
             f"{run_dir} identifies the speakers it was trained on, {list(trained)} (its "
-            f"{LABELS_FILE}), but its training data now has {list(speakers)}: the model's "
-            "classes would be read as other speakers. Fix: re-test it with the training "
-            "manifest it was trained on (data.train=PATH), or train a new run on the new data."
+            f"{LABELS_FILE}), but its training data now has {list(data.speakers)}: the "
+            "model's classes would be read as other speakers. Fix: re-test it with the "
+            "training manifest it was trained on (data.train=PATH), or train a new run on the "
+            "new data."
         )
+    if words is not None and tuple(words) != tuple(data.words):
+        now = set(data.words)
+        added, gone = sorted(now - set(words)), sorted(set(words) - now)
+        change = "; ".join(
+            f"{what}: {', '.join(found)}"
+            for what, found in (("new words", added), ("words gone", gone))
+            if found
+        )
+        logger.warning(
+            "%s's training transcripts now have other words than its lexicon (%s, the words "
+            "it was trained and tested with) (%s): the re-test decodes with the run's words.",
+            run_dir,
+            LABELS_FILE,
+            change,
+        )
+        data.words = tuple(words)
 
 
 def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str = "test") -> dict:
@@ -142,7 +164,7 @@ def evaluate_run(run: str | Path, overrides: list[str] | None = None, split: str
     device = resolve_device(run_options(cfg).device)
     with run_phase(f"evaluating {run_dir}"), build_data(cfg, device) as data:
         # each run's loader workers end with its evaluation, a signal's too
-        check_trained_speakers(run_dir, cfg, data.speakers)
+        use_trained_labels(run_dir, cfg, data)
         brain = build_brain(cfg, data, run_dir, tensorboard=None)
         metrics = brain.evaluate_best(getattr(data, split))
     return {

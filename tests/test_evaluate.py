@@ -198,3 +198,50 @@ def test_a_speaker_run_whose_training_speakers_changed_is_refused(
     assert main([str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "trained on, ['lucas', 'theo']" in err and "['george', 'lucas', 'theo']" in err
+
+
+def test_an_asr_run_is_re_tested_with_the_lexicon_it_was_trained_with(
+    tmp_path, fsdd_root, fsdd_recordings, caplog, monkeypatch
+) -> None:
+    """The lexicon decoder's words are the training transcripts' words (``labels.json``
+    records them; transcribe.py decodes with those). A re-test rebuilt them from the
+    training manifest as it reads now: a row added since ("nine") silently changed what the
+    decoder could say, and the re-test no longer measured the run's model as its test did.
+    It decodes with the run's words, and says that the manifest's differ (found by
+    audit-speaker)."""
+    words = ("zero", "one", "two")
+    manifests = {}
+    for split, indices in (("train", range(10, 13)), ("valid", (5,)), ("test", (0,))):
+        rows = [
+            f"{d}_{s}_{i},{fsdd_recordings / f'{d}_{s}_{i}.wav'},0.5,{words[d]},{s}"
+            for s in ("lucas", "theo")
+            for d in range(3)
+            for i in indices
+        ]
+        manifests[split] = tmp_path / f"{split}.csv"
+        manifests[split].write_text("id,path,duration,transcript,speaker\n" + "\n".join(rows))
+    args = [
+        *FAST,
+        *MANIFEST_8K,
+        *(f"data.{split}={path}" for split, path in manifests.items()),
+        "model.decoder=lexicon",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    result = run_cli("train.py", args, fsdd_root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(manifests["train"], "a") as file:  # the training manifest gains a word
+        file.write(f"\n9_george_10,{fsdd_recordings / '9_george_10.wav'},0.5,nine,george")
+    from recipes.asr import brain as asr_brain
+
+    decoders: list[tuple[str, ...]] = []
+    make_decoder = asr_brain.make_decoder
+
+    def recording(name, lexicon, beam_size):
+        decoders.append(tuple(lexicon))
+        return make_decoder(name, lexicon, beam_size)
+
+    monkeypatch.setattr(asr_brain, "make_decoder", recording)
+    assert main([str(tmp_path / "run")]) == 0
+    assert decoders and set(decoders) == {("one", "two", "zero")}
+    (warning,) = [r.getMessage() for r in caplog.records if "lexicon" in r.getMessage()]
+    assert "new words: nine" in warning and "labels.json" in warning  # the difference named
