@@ -1001,8 +1001,15 @@ class Brain(GraphedSteps):
         return counter.limit if isinstance(counter, EpochCounter) else None
 
     def epoch_label(self, epoch: int | None) -> str:
-        """``"3/30"``: the epoch and the number of epochs (when the epoch counter has one)."""
-        limit = getattr(self._epoch_counter, "limit", None)
+        """``"3/30"``: the epoch and the number of epochs (when the epoch counter has one).
+
+        In debug mode an :class:`EpochCounter`'s run ends after ``debug_epochs`` (``fit``),
+        and the label says so: ``"1/15"`` promised epochs a debug run never trains.
+        """
+        counter = self._epoch_counter
+        limit = getattr(counter, "limit", None)
+        if limit is not None and self.run_opts.debug and isinstance(counter, EpochCounter):
+            limit = min(limit, self.run_opts.debug_epochs)
         return f"{epoch}/{limit}" if limit is not None and epoch is not None else str(epoch)
 
     def _position(self) -> str:

@@ -548,6 +548,7 @@ def test_a_resumed_debug_run_ends_where_the_uninterrupted_one_does():
             def on_stage_start(self, stage, epoch=None):
                 if stage == Stage.TRAIN:
                     epochs.append(epoch)
+                    labels.append(self.epoch_label(epoch))
 
         epochs: list[int] = []
         brain = Counting(
@@ -558,7 +559,10 @@ def test_a_resumed_debug_run_ends_where_the_uninterrupted_one_does():
         brain.fit(counter, DataLoader(make_data(64), batch_size=4))
         return epochs
 
+    labels: list[str] = []
     assert fit(EpochCounter(10)) == [1, 2]
+    # the logs' "epoch 1/10" promised 10 epochs where debug mode trains 2 (audit-speaker)
+    assert labels == ["1/2", "2/2"]
     again = EpochCounter(10)
     again.current = 1  # killed in epoch 2 (a mid-epoch checkpoint's counter, set back by one)
     assert fit(again) == [2] and again.current == 2
