@@ -220,32 +220,43 @@ def error_report(
     for (ref, hyp, speaker), count in counts.items():
         totals[(ref, hyp)] += count
         speakers[(ref, hyp)][speaker] += count
-    unit = "word" if words else "label"
-    lines += [
-        "",
-        f"## Most frequent confusions ({unit}s; {MISSING}: missing or extra)",
-        "",
-        "| reference | prediction | count | from speakers |",
-        "|---|---|---|---|",
-    ]
+    # ASR: aligned word pairs, with the speakers who said them; speaker ID: a true speaker
+    # and who the model took them for (the reference is the speaker: no column of its own)
+    if words:
+        heading = f"## Most frequent confusions (words; {MISSING}: missing or extra)"
+        columns = ["reference", "prediction", "count", "from speakers"]
+    else:
+        heading, columns = (
+            "## Most frequent confusions (speakers)",
+            ["speaker", "identified as", "count"],
+        )
+    lines += ["", heading, "", _row(columns), _row(["---"] * len(columns)).replace(" ", "")]
     for (ref, hyp), count in sorted(totals.items(), key=lambda item: (-item[1], item[0]))[
         :max_confusions
     ]:
         by = ", ".join(f"{s} {n}" for s, n in speakers[(ref, hyp)].most_common())
-        lines.append(f"| {_cell(ref)} | {_cell(hyp)} | {count} | {by} |")
+        lines.append(_row([_cell(ref), _cell(hyp), str(count), by][: len(columns)]))
     if not totals:
-        lines.append("| — | — | 0 | — |")
+        lines.append(_row(["—", "—", "0", "—"][: len(columns)]))
 
+    columns = (
+        ["id", "speaker", "reference", "prediction"]
+        if words
+        else ["id", "speaker", "identified as"]
+    )
     lines += [
         "",
         f"## Wrong utterances ({listed} of {len(wrong)} listed)",
         "",
-        "| id | speaker | reference | prediction |",
-        "|---|---|---|---|",
+        _row(columns),
+        _row(["---"] * len(columns)).replace(" ", ""),
     ]
     for outcome in sorted(wrong, key=lambda o: (o.speaker, o.id))[:listed]:
-        lines.append(
-            f"| {outcome.id} | {outcome.speaker} | {_cell(outcome.reference)} "
-            f"| {_cell(outcome.prediction)} |"
-        )
+        cells = [outcome.id, outcome.speaker, _cell(outcome.reference), _cell(outcome.prediction)]
+        lines.append(_row(cells if words else [*cells[:2], cells[3]]))
     return "\n".join(lines) + "\n"
+
+
+def _row(cells: Sequence[str]) -> str:
+    """A markdown table row: ``| a | b |``."""
+    return "| " + " | ".join(cells) + " |"
