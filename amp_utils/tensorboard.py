@@ -8,7 +8,9 @@ the last step. Units are part of the tag (``test/CER_percent``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +119,27 @@ class TensorBoardLogger:
             self._writer.close()
 
 
+@contextlib.contextmanager
+def _tensorboard_info_muted() -> Iterator[None]:
+    """TensorBoard's own INFO lines (its directory watcher's "No path found after ...") left
+    out of the console and the log while a run's events are read; its warnings stay."""
+    tb_logger = logging.getLogger("tensorboard")
+    level = tb_logger.level
+    tb_logger.setLevel(max(logging.WARNING, level))
+    try:
+        yield
+    finally:
+        tb_logger.setLevel(level)
+
+
 def session_hparams(log_dir: str | Path) -> dict[str, bool | float | str]:
     """The hparams a run recorded for the HParams tab (empty if it recorded none)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import metadata
 
     accumulator = EventAccumulator(str(log_dir), size_guidance={"tensors": 1, "scalars": 1})
-    accumulator.Reload()
+    with _tensorboard_info_muted():  # "No path found after ...": once per job of a sweep
+        accumulator.Reload()
     if metadata.SESSION_START_INFO_TAG not in accumulator.Tags()["tensors"]:
         return {}
     content = accumulator.SummaryMetadata(metadata.SESSION_START_INFO_TAG).plugin_data.content

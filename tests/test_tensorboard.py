@@ -196,6 +196,24 @@ def test_sweep_experiment_lists_swept_hparams_first_and_test_metrics_only(tmp_pa
     assert sorted(v.string_value for v in precision.domain_discrete.values) == ["bf16", "fp32"]
 
 
+def test_reading_the_runs_hparams_prints_no_tensorboard_chatter(tmp_path: Path, caplog) -> None:
+    """A sweep's summary reads each job's hparams with TensorBoard's EventAccumulator, whose
+    directory watcher logs "No path found after .../events.out.tfevents..." at INFO for
+    every job: lines in the sweep's console and log that say nothing (found by
+    audit-speaker). Its warnings still come through."""
+    import logging
+
+    from amp_utils.tensorboard import session_hparams
+
+    logger = TensorBoardLogger(tmp_path / "tb")
+    logger.log_hparams({"precision": "bf16"}, [])
+    logger.close()
+    caplog.set_level(logging.INFO)
+    assert session_hparams(tmp_path / "tb") == {"precision": "bf16"}
+    assert not [r for r in caplog.records if r.name.startswith("tensorboard")], caplog.text
+    assert logging.getLogger("tensorboard").level == logging.NOTSET  # left as it was
+
+
 def test_the_ranks_stop_flag_is_read_with_the_batch_and_leaves_the_loss_scale_alone() -> None:
     """DDP: the number of ranks that caught a signal rides with the batch's values; it is
     read at the flush (not before), and the fp16 loss scale beside it still reads right."""
