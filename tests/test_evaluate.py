@@ -164,18 +164,21 @@ def test_an_override_without_its_value_is_named_as_one(tmp_path, capsys) -> None
     )
 
 
-def test_a_speaker_run_whose_training_speakers_changed_is_refused(
-    tmp_path, fsdd_root, fsdd_recordings, capsys
-) -> None:
-    """A speaker-ID run's classes are its training speakers as its labels.json lists them;
-    a re-test rebuilds the data from the manifests as they read now. With a speaker added
-    to the training manifest since, the checkpoint failed to load "written by a different
-    model or configuration" (with a speaker swapped instead, as many classes as before,
-    they were silently read as other speakers). It is refused, naming both lists."""
+def _train_on_manifests(
+    tmp_path: Path,
+    fsdd_root: Path,
+    recordings: Path,
+    words: str | tuple[str, ...],
+    overrides: list[str],
+) -> dict[str, Path]:
+    """Train a run in ``tmp_path/run`` on manifests of lucas's and theo's digits 0-2 (train:
+    takes 10-12, valid: 5, test: 0), each transcribed ``words[digit]`` (or ``words`` for
+    all); returns the manifests by split, for a test to change one after training."""
     manifests = {}
-    for split, indices in (("train", range(10, 14)), ("valid", (5,)), ("test", (0,))):
+    for split, indices in (("train", range(10, 13)), ("valid", (5,)), ("test", (0,))):
         rows = [
-            f"{d}_{s}_{i},{fsdd_recordings / f'{d}_{s}_{i}.wav'},0.5,x,{s}"
+            f"{d}_{s}_{i},{recordings / f'{d}_{s}_{i}.wav'},0.5,"
+            f"{words if isinstance(words, str) else words[d]},{s}"
             for s in ("lucas", "theo")
             for d in range(3)
             for i in indices
@@ -186,13 +189,29 @@ def test_a_speaker_run_whose_training_speakers_changed_is_refused(
         *FAST,
         *MANIFEST_8K,
         *(f"data.{split}={path}" for split, path in manifests.items()),
-        "model=xvector",
-        "model.channels=16",
-        "model.embedding_dim=8",
+        *overrides,
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
     result = run_cli("train.py", args, fsdd_root)
     assert result.returncode == 0, result.stderr[-3000:]
+    return manifests
+
+
+def test_a_speaker_run_whose_training_speakers_changed_is_refused(
+    tmp_path, fsdd_root, fsdd_recordings, capsys
+) -> None:
+    """A speaker-ID run's classes are its training speakers as its labels.json lists them;
+    a re-test rebuilds the data from the manifests as they read now. With a speaker added
+    to the training manifest since, the checkpoint failed to load "written by a different
+    model or configuration" (with a speaker swapped instead, as many classes as before,
+    they were silently read as other speakers). It is refused, naming both lists."""
+    manifests = _train_on_manifests(
+        tmp_path,
+        fsdd_root,
+        fsdd_recordings,
+        "x",
+        ["model=xvector", "model.channels=16", "model.embedding_dim=8"],
+    )
     with open(manifests["train"], "a") as file:  # the manifest gains a speaker
         file.write(f"\n0_george_10,{fsdd_recordings / '0_george_10.wav'},0.5,x,george")
     assert main([str(tmp_path / "run")]) == 2
@@ -209,26 +228,9 @@ def test_an_asr_run_is_re_tested_with_the_lexicon_it_was_trained_with(
     decoder could say, and the re-test no longer measured the run's model as its test did.
     It decodes with the run's words, and says that the manifest's differ (found by
     audit-speaker)."""
-    words = ("zero", "one", "two")
-    manifests = {}
-    for split, indices in (("train", range(10, 13)), ("valid", (5,)), ("test", (0,))):
-        rows = [
-            f"{d}_{s}_{i},{fsdd_recordings / f'{d}_{s}_{i}.wav'},0.5,{words[d]},{s}"
-            for s in ("lucas", "theo")
-            for d in range(3)
-            for i in indices
-        ]
-        manifests[split] = tmp_path / f"{split}.csv"
-        manifests[split].write_text("id,path,duration,transcript,speaker\n" + "\n".join(rows))
-    args = [
-        *FAST,
-        *MANIFEST_8K,
-        *(f"data.{split}={path}" for split, path in manifests.items()),
-        "model.decoder=lexicon",
-        f"hydra.run.dir={tmp_path / 'run'}",
-    ]
-    result = run_cli("train.py", args, fsdd_root)
-    assert result.returncode == 0, result.stderr[-3000:]
+    manifests = _train_on_manifests(
+        tmp_path, fsdd_root, fsdd_recordings, ("zero", "one", "two"), ["model.decoder=lexicon"]
+    )
     with open(manifests["train"], "a") as file:  # the training manifest gains a word
         file.write(f"\n9_george_10,{fsdd_recordings / '9_george_10.wav'},0.5,nine,george")
     from recipes.asr import brain as asr_brain

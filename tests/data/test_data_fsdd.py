@@ -229,6 +229,25 @@ def thirty_recordings(local_archive, monkeypatch: pytest.MonkeyPatch) -> tuple[s
     return names
 
 
+def _ensure_in_threads(root: Path, count: int) -> list[BaseException | Path]:
+    """``ensure_fsdd(root)`` in ``count`` threads started together (runs or sweep jobs
+    side by side): each one's recordings folder or error, in the order they ended."""
+    results: list[BaseException | Path] = []
+
+    def run() -> None:
+        try:
+            results.append(fsdd.ensure_fsdd(root))
+        except BaseException as err:  # noqa: BLE001 (handed to the test's thread)
+            results.append(err)
+
+    workers = [threading.Thread(target=run) for _ in range(count)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    return results
+
+
 @pytest.fixture
 def release_server(local_archive, monkeypatch: pytest.MonkeyPatch) -> Iterator[_ReleaseServer]:
     """The local archive served over HTTP, with ``fsdd.FSDD_URL`` pointing at it."""
@@ -337,19 +356,7 @@ def test_runs_started_together_download_once(
     (FileNotFoundError) or a wrong checksum, and at times no run at all got its data."""
     release_server.delay = 0.5  # both ask before either has the archive
     root = tmp_path / "fsdd"
-    results: list[BaseException | Path] = []
-
-    def run() -> None:
-        try:
-            results.append(fsdd.ensure_fsdd(root))
-        except BaseException as err:  # noqa: BLE001 (handed to the test's thread)
-            results.append(err)
-
-    workers = [threading.Thread(target=run) for _ in range(3)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=60)
+    results = _ensure_in_threads(root, 3)
     assert results == [root / fsdd.FSDD_ARCHIVE_DIR / "recordings"] * 3
     assert len(release_server.requests) == 1, "each run downloaded the archive"
     assert fsdd.recordings_sha256(results[0]) == fsdd.FSDD_RECORDINGS_SHA256
@@ -505,18 +512,6 @@ def test_runs_started_together_without_network_each_say_so_in_one_line(
     waited on the lock inside it: they ended in a FileNotFoundError traceback."""
     release_server.mode, release_server.delay = "404", 0.3
     root = tmp_path / "data" / "fsdd"
-    results: list[BaseException | Path] = []
-
-    def run() -> None:
-        try:
-            results.append(fsdd.ensure_fsdd(root))
-        except BaseException as err:  # noqa: BLE001 (handed to the test's thread)
-            results.append(err)
-
-    workers = [threading.Thread(target=run) for _ in range(3)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=60)
+    results = _ensure_in_threads(root, 3)
     assert [type(err) for err in results] == [DatasetNotFoundError] * 3, results
     assert len(release_server.requests) == 3  # each tried in turn, none at once
