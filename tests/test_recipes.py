@@ -417,7 +417,7 @@ def test_speaker_id_run_reports_accuracy(tmp_path, fsdd_root, prepared_digits):
     # The error report counts what the accuracy counts (debug mode: 2 test batches).
     report = (tmp_path / "run" / "test_errors.md").read_text()
     wrong, tested = map(int, re.search(r"(\d+) of (\d+) utterances wrong", report).groups())
-    assert tested > 0 and "confusions (labels;" in report
+    assert tested > 0 and "confusions (speakers)" in report
     assert 100 * (tested - wrong) / tested == pytest.approx(results["test_metrics"]["accuracy"])
     ckpts = Checkpointer(tmp_path / "run" / "checkpoints").list_checkpoints()
     assert all("accuracy" in c.meta for c in ckpts)
