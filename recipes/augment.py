@@ -37,6 +37,7 @@ perturbations as an uninterrupted one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -89,7 +90,7 @@ class WaveAugment(torch.nn.Module):
     ) -> None:
         super().__init__()
         speeds = [float(s) for s in speeds]
-        if not speeds or any(s <= 0 for s in speeds):
+        if not speeds or any(not 0 < s < math.inf for s in speeds):
             raise ValueError(
                 f"speeds must be positive factors such as [0.9, 1.0, 1.1]; got {speeds}."
             )
@@ -102,14 +103,14 @@ class WaveAugment(torch.nn.Module):
                 "cut_end_prob must lie in [0, 1] and cut_end_max in [0, 1); got "
                 f"{cut_end_prob} and {cut_end_max}."
             )
-        if not 0.0 <= channel_prob <= 1.0 or channel_db < 0:
+        if not 0.0 <= channel_prob <= 1.0 or not 0 <= channel_db < math.inf:
             raise ValueError(
                 "channel_prob must lie in [0, 1] and channel_db be >= 0; got "
                 f"{channel_prob} and {channel_db}."
             )
-        if len(snr_db) != 2 or snr_db[0] > snr_db[1]:
+        if len(snr_db) != 2 or not -math.inf < snr_db[0] <= snr_db[1] < math.inf:
             raise ValueError(
-                f"snr_db must be [low, high] in dB with low <= high; got {list(snr_db)}."
+                f"snr_db must be [low, high] in dB with low <= high (finite); got {list(snr_db)}."
             )
         self.sample_rate = int(sample_rate)
         self.speeds = speeds
@@ -330,6 +331,11 @@ class SpecAugment(torch.nn.Module):
         freq_warp: float = 0.0,
     ) -> None:
         super().__init__()
+        if min(freq_mask, time_mask, n_freq_masks, n_time_masks) < 0:
+            raise ValueError(  # torchaudio draws no mask of a negative width: silently off
+                "freq_mask, time_mask, n_freq_masks and n_time_masks must be >= 0 (0: no "
+                f"masks); got {freq_mask}, {time_mask}, {n_freq_masks} and {n_time_masks}."
+            )
         if not 0.0 <= freq_warp < 0.5:
             raise ValueError(
                 f"freq_warp must lie in [0, 0.5) (e.g. 0.1; 0 turns it off); got {freq_warp}."

@@ -24,6 +24,7 @@ target is missed.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from itertools import islice
@@ -67,7 +68,8 @@ MIN_UTTERANCE_SECONDS = 0.25
 def check_benchmark_config(cfg: DictConfig) -> None:
     """Refuse unknown modes and precisions, and sizes out of range, before any work (data,
     models): ``benchmark.batch_size=0`` and ``utterance_seconds=0`` ended in an FFT
-    traceback, ``steps=-1`` timed nothing for minutes.
+    traceback, ``steps=-1`` timed nothing for minutes; ``utterance_seconds=inf`` ended in
+    an OverflowError, ``modes=[]`` or ``precisions=[]`` timed nothing.
 
     Raises:
         ConfigError: naming the key, the bad values and the valid ones.
@@ -85,16 +87,22 @@ def check_benchmark_config(cfg: DictConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"benchmark.{key}={value!r} is not valid; it must be 0 or more.")
     seconds = bench.utterance_seconds
-    if not isinstance(seconds, int | float) or seconds < MIN_UTTERANCE_SECONDS:
+    if not isinstance(seconds, int | float) or not MIN_UTTERANCE_SECONDS <= seconds < math.inf:
         raise ConfigError(
-            f"benchmark.utterance_seconds={seconds!r} is not valid: the models need "
-            f"{MIN_UTTERANCE_SECONDS} s or more of audio (e.g. benchmark.utterance_seconds=1.0)."
+            f"benchmark.utterance_seconds={seconds!r} is not valid: it must be a finite "
+            f"length of {MIN_UTTERANCE_SECONDS} s or more, the shortest audio the models take "
+            "(e.g. benchmark.utterance_seconds=1.0)."
         )
     for key, valid in (
         ("benchmark.modes", MODES),
         ("benchmark.precisions", tuple(PRECISIONS)),
         ("benchmark.peer_precisions", tuple(PRECISIONS)),
     ):
+        if key != "benchmark.peer_precisions" and not OmegaConf.select(cfg, key):
+            raise ConfigError(  # a run that times no mode or no precision
+                f"{key}=[] times nothing: name at least one of {', '.join(valid)} "
+                f"(e.g. {key}=[{','.join(valid[:2])}])."
+            )
         unknown = [value for value in OmegaConf.select(cfg, key) or [] if value not in valid]
         if unknown:
             raise ConfigError(

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import importlib.util
 import itertools
+import math
 import re
 import sys
 import typing
@@ -148,9 +149,15 @@ def _choice(cfg: DictConfig, key: str, choices: Iterable[str]) -> None:
 
 
 def _positive(cfg: DictConfig, key: str, integer: bool = False) -> None:
+    """Refuse ``key`` unless it is a positive (finite) number, or integer."""
     value: Any = OmegaConf.select(cfg, key)
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         kind_name, example = ("integer", "1") if integer else ("number", "1.0")
         raise ConfigError(
             f"{key}={value!r} is not valid; it must be a positive {kind_name} "
@@ -158,10 +165,93 @@ def _positive(cfg: DictConfig, key: str, integer: bool = False) -> None:
         )
 
 
-def _non_negative(cfg: DictConfig, key: str, meaning: str) -> None:
+def _non_negative(cfg: DictConfig, key: str, meaning: str, finite: bool = False) -> None:
+    """Refuse ``key`` unless it is a number >= 0 (and, with ``finite``, not infinite)."""
     value: Any = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"{key}={value!r} is not valid; it must be >= 0 ({meaning}).")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value < 0
+        or (finite and not math.isfinite(value))
+    ):
+        bound = ">= 0 and finite" if finite else ">= 0"
+        raise ConfigError(f"{key}={value!r} is not valid; it must be {bound} ({meaning}).")
+
+
+def _not_a_number(node: Any, where: str = "") -> str | None:
+    """The first key under ``node`` (a plain container) whose value is NaN, else None."""
+    if isinstance(node, float) and math.isnan(node):
+        return where
+    if isinstance(node, dict):
+        children = [(f"{where}.{key}".lstrip("."), child) for key, child in node.items()]
+    elif isinstance(node, list):
+        children = [(f"{where}[{index}]", child) for index, child in enumerate(node)]
+    else:
+        return None
+    for name, child in children:
+        found = _not_a_number(child, name)
+        if found is not None:
+            return found
+    return None
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Refuse a NaN anywhere in the config: it passes every range comparison
+    (``nan <= 0`` is false), so ``model.lr=nan`` and ``model.dropout=nan`` were accepted
+    and trained NaN weights. Interpolations are not resolved: a NaN is the literal that the
+    command line set, and the key named is that one."""
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    plain.pop("hydra", None)
+    key = _not_a_number(plain)
+    if key is not None:
+        raise ConfigError(
+            f"{key}=nan is not valid; it must be a number (python recipes/train.py --cfg job "
+            "shows its default)."
+        )
+
+
+#: Sizes of the models' layers (each model has some): positive integers. A zero or negative
+#: one crashed the model check with a RuntimeError or ZeroDivisionError traceback, or built a
+#: model without blocks (``model.num_layers=0``) or with -1 attention heads.
+MODEL_SIZE_KEYS = (
+    "d_model",
+    "num_layers",
+    "num_heads",
+    "ffn_dim",
+    "conv_kernel",
+    "channels",
+    "embedding_dim",
+)
+#: ``torch.manual_seed`` takes seeds in [-2**63, 2**64); the loaders add the epoch.
+SEED_RANGE = (-(2**63), 2**63)
+
+
+def _check_data_name(cfg: DictConfig) -> None:
+    """``data.name`` picks how the data are prepared (and names the run folder): it must be
+    the data option's own. ``data.name=manifest`` on ``data=fsdd_digits`` crashed with a
+    KeyError once the run had started; ``data=fsdd_connected data.name=fsdd_digits`` trained
+    on single digits."""
+    options = {schema: name for name, schema in OPTION_SCHEMAS["data"]}
+    name = OmegaConf.select(cfg, "data.name")
+    expected = options.get(OmegaConf.get_type(cfg.data))
+    if expected is None:  # an untyped config (evaluate.py's): any data option's name
+        if name not in options.values():
+            raise ConfigError(
+                f"data.name={name!r} is not a data set; choose one of: "
+                f"{', '.join(options.values())}."
+            )
+        return
+    if name == expected:
+        return
+    fix = (
+        f"choose the option instead (data={name})"
+        if name in options.values()
+        else f"choose one of: {', '.join(options.values())} (as data=...)"
+    )
+    raise ConfigError(
+        f"data.name={name!r} is not this run's data={expected}: data.name is the option's own "
+        f"(it picks how the data are prepared); {fix}, and leave data.name as it is."
+    )
 
 
 def _refuse_unknown(unknown: list[str], known: set[str], where: str) -> None:
@@ -740,6 +830,13 @@ def validate_config(cfg: DictConfig) -> None:
     """
     check_known_keys(cfg)
     _check_required(cfg)
+    _check_numbers(cfg)
+    seed = OmegaConf.select(cfg, "seed")
+    if isinstance(seed, int) and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ConfigError(
+            f"seed={seed} is not valid; it must lie in [-2**63, 2**63) (e.g. seed=1234)."
+        )
+    _check_data_name(cfg)
     try:
         parse_device_name(cfg.device.name)
     except ValueError as err:
@@ -795,7 +892,7 @@ def validate_config(cfg: DictConfig) -> None:
                 f"data.min_digits={data.min_digits} and data.max_digits={data.max_digits} are "
                 "not valid: they need 1 <= min <= max (e.g. data.min_digits=2 data.max_digits=7)."
             )
-        if not 0 <= data.silence_min <= data.silence_max:
+        if not 0 <= data.silence_min <= data.silence_max < math.inf:
             raise ConfigError(
                 f"data.silence_min={data.silence_min} and data.silence_max={data.silence_max} "
                 "are not valid: they need 0 <= min <= max seconds (e.g. data.silence_min=0.05 "
@@ -803,6 +900,11 @@ def validate_config(cfg: DictConfig) -> None:
             )
     for key in ("data.max_batch_seconds", "device.batch_scale", "model.lr"):
         _positive(cfg, key)
+    for key in MODEL_SIZE_KEYS:
+        if OmegaConf.select(cfg, f"model.{key}") is not None:  # the keys of the run's model
+            _positive(cfg, f"model.{key}", integer=True)
+    _non_negative(cfg, "model.weight_decay", "AdamW weight decay; 0: off", finite=True)
+    _non_negative(cfg, "model.warmup_steps", "linear warm-up steps; 0: none")
     for key in ("precision.name", "precision.eval_precision"):  # evaluate.py's untyped config
         _choice(cfg, key, [str(p) for p in Precision])
     _choice(cfg, "trainer.average_from", AVERAGE_FROM)

@@ -10,6 +10,7 @@ from recipes.benchmarking import (
     PEER_MODES,
     compile_notes,
     compiled_code_calls,
+    preflight_benchmark,
     step_graph_notes,
     summarize,
 )
@@ -303,6 +304,35 @@ def test_bad_benchmark_values_fail_with_one_line_before_any_work(arg, message, f
     assert result.returncode == 1 and f"error: {message}" in result.stderr
     assert "Traceback" not in result.stderr and "Preparing" not in result.stdout + result.stderr
     assert not (tmp_path / "run").exists()  # refused: no folder left behind
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        # int(inf * sample_rate) / int(nan * ...): a traceback once the benchmark had begun
+        ("benchmark.utterance_seconds=inf", "benchmark.utterance_seconds=inf is not valid"),
+        ("benchmark.utterance_seconds=nan", "benchmark.utterance_seconds=nan is not valid"),
+        # a benchmark that times nothing, and says so only in an empty table
+        ("benchmark.precisions=[]", r"benchmark.precisions=\[\] times nothing"),
+        ("benchmark.modes=[]", r"benchmark.modes=\[\] times nothing"),
+    ],
+)
+def test_benchmark_values_that_time_nothing_or_crash_are_refused_in_process(arg, message):
+    """Found by walking every benchmark key with bad values (audit-config); in process, as
+    ``ToolFolderCallback`` runs ``preflight_benchmark`` before any folder is written."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import ConfigError
+    from recipes.resolvers import register_resolvers
+    from recipes.schema import register_schemas
+    from tests.recipe_helpers import CONF_DIR
+
+    register_resolvers()
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="benchmark", overrides=["debug=fast", arg])
+    with pytest.raises(ConfigError, match=message):
+        preflight_benchmark(cfg)
 
 
 def test_each_precision_is_timed_without_the_previous_precisions_brain(

@@ -347,6 +347,15 @@ def test_label_smoothing_outside_zero_to_one_is_refused(value):
         ("data.wave_augment.channel_prob=2", r"data.wave_augment: channel_prob .* channel_db"),
         ("data.wave_augment.channel_db=-3", r"data.wave_augment: channel_prob .* channel_db"),
         ("data.wave_augment.speeds=[]", r"data.wave_augment: speeds must be positive"),
+        # accepted, then masked nothing: a negative width or count draws no mask
+        ("data.spec_augment.freq_mask=-1", r"data.spec_augment: freq_mask, time_mask, .* >= 0"),
+        ("data.spec_augment.time_mask=-8", r"data.spec_augment: freq_mask, time_mask, .* >= 0"),
+        ("data.spec_augment.n_freq_masks=-1", r"data.spec_augment: .*n_freq_masks.* >= 0"),
+        ("data.spec_augment.n_time_masks=-2", r"data.spec_augment: .*n_time_masks.* >= 0"),
+        # accepted, then an infinite resampling factor or gain in the first training batch
+        ("data.wave_augment.speeds=[1.0,inf]", r"data.wave_augment: speeds must be positive"),
+        ("data.wave_augment.channel_db=inf", r"data.wave_augment: channel_prob .* channel_db"),
+        ("data.wave_augment.snr_db=[-inf,30]", r"data.wave_augment: snr_db must be \[low, high\]"),
     ],
 )
 def test_augmentation_values_outside_their_range_are_refused_before_any_work(override, message):
@@ -409,3 +418,69 @@ def test_device_sizes_the_onednn_cache_for_the_brain(device):
 def test_fused_weight_casts_reaches_the_brains_run_options(fused):
     cfg = compose_config(["precision=bf16", f"precision.fused_weight_casts={fused}"])
     assert run_options(cfg).fused_weight_casts is fused
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # model sizes: a RuntimeError or ZeroDivisionError traceback while checking the model
+        (["model.d_model=-1"], "model.d_model=-1 is not valid; it must be a positive integer"),
+        (["model.num_heads=0"], "model.num_heads=0 is not valid; it must be a positive integer"),
+        (["model.ffn_dim=-1"], "model.ffn_dim=-1 is not valid; it must be a positive integer"),
+        (["model.conv_kernel=-1"], "model.conv_kernel=-1 is not valid; it must be a positive"),
+        (["model=xvector", "model.channels=-1"], "model.channels=-1 is not valid; it must be"),
+        (["model=xvector", "model.embedding_dim=-1"], "model.embedding_dim=-1 is not valid"),
+        # model sizes accepted: no Conformer blocks, -1 heads, zero-width layers
+        (["model.num_layers=0"], "model.num_layers=0 is not valid; it must be a positive"),
+        (["model.num_heads=-1"], "model.num_heads=-1 is not valid; it must be a positive"),
+        (["model.ffn_dim=0"], "model.ffn_dim=0 is not valid; it must be a positive integer"),
+        (["model=xvector", "model.channels=0"], "model.channels=0 is not valid"),
+        (["model=xvector", "model.embedding_dim=0"], "model.embedding_dim=0 is not valid"),
+        # AdamW refused these only once the data were prepared; a negative warm-up is no warm-up
+        (["model.weight_decay=-0.01"], r"model.weight_decay=-0.01 is not valid; it must be >= 0"),
+        (["model.weight_decay=inf"], r"model.weight_decay=inf is not valid; it must be >= 0"),
+        (["model.warmup_steps=-1"], r"model.warmup_steps=-1 is not valid; it must be >= 0"),
+        # infinite sizes and rates: accepted, then an infinite learning rate or batch
+        (["model.lr=inf"], "model.lr=inf is not valid; it must be a positive number"),
+        (["data.max_batch_seconds=inf"], "data.max_batch_seconds=inf is not valid; it must be"),
+        (["device.batch_scale=inf"], "device.batch_scale=inf is not valid; it must be a positive"),
+        # NaN passes every range comparison: accepted, then NaN weights or an odd crash
+        (["model.lr=nan"], "model.lr=nan is not valid; it must be a number"),
+        (["model.dropout=nan"], "model.dropout=nan is not valid; it must be a number"),
+        (["trainer.max_grad_norm=nan"], "trainer.max_grad_norm=nan is not valid"),
+        (["data.cache_audio_mb=nan"], "data.cache_audio_mb=nan is not valid"),
+        (["data.wave_augment.snr_db=[nan,30]"], r"data.wave_augment.snr_db\[0\]=nan is not valid"),
+        (["data=fsdd_connected", "data.silence_max=inf"], "data.silence_max=inf are not valid"),
+        # data.name picks the preparation: a crash (KeyError) or other data than the option's
+        (["data.name=manifest"], "data.name='manifest' is not this run's data=fsdd_digits"),
+        (["data.name=fsdd_connected"], "data.name='fsdd_connected' is not this run's data="),
+        (
+            ["data=fsdd_connected", "data.name=fsdd_digits"],
+            r"choose the option instead \(data=fsdd_digits\)",
+        ),
+        (["data.name=mine"], "choose one of: fsdd_digits, fsdd_connected, manifest"),
+        # torch.manual_seed overflowed (a traceback once the run folder was locked)
+        (["seed=18446744073709551616"], r"seed=18446744073709551616 is not valid; it must lie in"),
+    ],
+)
+def test_out_of_range_values_are_refused_before_any_work(overrides, message):
+    """Found by walking every leaf key of every option with bad values (audit-config):
+    these passed ``validate_config`` and crashed with a traceback, ran with a nonsense value,
+    or were refused only after the data were prepared."""
+    cfg = compose_config([*FAST, *overrides])
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.warmup_steps=0", "model.weight_decay=0"],  # no warm-up, no decay
+        ["trainer.max_grad_norm=inf", "trainer.ckpt_interval_minutes=inf"],  # never clip, save
+        ["data.cache_audio_mb=inf"],  # cache whatever the size
+        ["seed=-1", "data.spec_augment.freq_mask=0", "data.spec_augment.n_time_masks=0"],
+        ["data=fsdd_connected", "data.name=fsdd_connected"],
+    ],
+)
+def test_edge_values_that_mean_something_pass(overrides):
+    validate_config(compose_config([*FAST, *overrides]))
