@@ -35,18 +35,50 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert test_command in ci_lines
 
 
+#: A command of an entry point that takes Hydra overrides, and the config it composes.
+RECIPE_SCRIPTS = {"train": "config", "diagnose": "diagnose", "benchmark": "benchmark"}
+RECIPE_COMMAND = re.compile(r"recipes/(train|diagnose|benchmark)\.py")
+
+
+def documented_recipe_commands() -> list[tuple[str, str, list[str]]]:
+    """``(where, script, arguments)`` of every ``recipes/{train,diagnose,benchmark}.py``
+    command that a user may copy: in the ```bash blocks and the inline code spans of
+    README.md and docs/*.md, and in the comments of conf/ (whose first lines ``--help``
+    shows)."""
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    lines: list[tuple[str, str]] = []
+    for page in pages:
+        text = page.read_text()
+        for block in bash_blocks(page):
+            lines += [(page.name, line) for line in block.replace("\\\n", " ").splitlines()]
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        lines += [(page.name, " ".join(span.split())) for span in re.findall(r"`([^`]+)`", prose)]
+    for conf in sorted((REPO_ROOT / "conf").rglob("*.yaml")):
+        for line in conf.read_text().splitlines():
+            if line.lstrip().startswith("#") and "python recipes/" in line:
+                lines.append((str(conf.relative_to(REPO_ROOT)), line.lstrip()[1:]))
+    found = []
+    for where, line in lines:
+        match = RECIPE_COMMAND.search(line.split(" #")[0])
+        if match:
+            args = shlex.split(line.split(" #")[0][match.end() :])
+            found.append((where, match.group(1), args))
+    return found
+
+
+def is_placeholder(arg: str) -> bool:
+    """``precision=P``, ``seed=S``, ``hydra.run.dir=<a run>``: a value the reader fills in."""
+    return "<" in arg or ">" in arg or "..." in arg or bool(re.search(r"=[A-Z]+$", arg))
+
+
 def documented_train_overrides() -> list[list[str]]:
     """The overrides of every ``recipes/train.py`` command in README.md and docs/*.md (first
     sweep value)."""
-    found = []
-    for block in documented_commands():
-        for command in block.replace("\\\n", " ").splitlines():
-            command = command.split("#")[0]
-            if "recipes/train.py" not in command:
-                continue
-            args = shlex.split(command.split("recipes/train.py", 1)[1])
-            found.append([first_sweep_value(arg) for arg in args if "=" in arg])
-    return found
+    return [
+        [first_sweep_value(arg) for arg in args if "=" in arg]
+        for _, script, args in documented_recipe_commands()
+        if script == "train"
+    ]
 
 
 def first_sweep_value(override: str) -> str:
@@ -62,9 +94,26 @@ def first_sweep_value(override: str) -> str:
     return override
 
 
-def test_every_documented_train_command_composes_and_validates():
-    """Every ``recipes/train.py`` command in a ```bash block of README.md or docs/*.md composes
-    with the real config and passes its checks (the SLURM sweep lives in docs/scaling.md)."""
+def test_every_documented_recipe_command_passes_hydras_argument_parser():
+    """Hydra reads its flags (``-m``, ``--cfg job``) with argparse before any override: an
+    override after a flag (``experiment=gpu_asr -m precision=...``) ends the command with
+    "unrecognized arguments" before it composes anything."""
+    from hydra._internal.utils import get_args_parser
+
+    refused = []
+    for where, script, args in documented_recipe_commands():
+        try:
+            get_args_parser().parse_args(args)
+        except SystemExit:
+            refused.append(f"{where}: recipes/{script}.py {shlex.join(args)}")
+    assert not refused, "Hydra refuses these documented commands' arguments:\n" + "\n".join(refused)
+
+
+def test_every_documented_recipe_command_composes_and_validates():
+    """Every ``recipes/{train,diagnose,benchmark}.py`` command of README.md, docs/*.md and the
+    comments of conf/ composes with the real config, and a training command passes its checks
+    (the SLURM sweep lives in docs/scaling.md); commands with a value for the reader to fill in
+    (``precision=P``) are left out."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -73,12 +122,22 @@ def test_every_documented_train_command_composes_and_validates():
     from recipes.schema import register_schemas
     from tests.recipe_helpers import CONF_DIR
 
-    commands = documented_train_overrides()
-    assert len(commands) >= 10 and any("hydra/launcher=slurm" in c for c in commands)
+    commands = [
+        (where, script, [first_sweep_value(arg) for arg in args if "=" in arg])
+        for where, script, args in documented_recipe_commands()
+        if not any(is_placeholder(arg) for arg in args)
+    ]
+    assert len(commands) >= 10 and any("hydra/launcher=slurm" in c for _, _, c in commands)
+    assert {script for _, script, _ in commands} == set(RECIPE_SCRIPTS)
     register_resolvers()
     register_schemas()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="t"):
-        for overrides in commands:
-            cfg = compose("config", overrides=overrides, return_hydra_config=True)
-            validate_config(cfg)
+        for where, script, overrides in commands:
+            try:
+                cfg = compose(RECIPE_SCRIPTS[script], overrides=overrides, return_hydra_config=True)
+                if script == "train":
+                    validate_config(cfg)
+            except Exception as error:
+                message = f"{where}: recipes/{script}.py {overrides}: {error}"
+                raise AssertionError(message) from error
