@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 
@@ -141,3 +142,37 @@ def test_every_documented_recipe_command_composes_and_validates():
             except Exception as error:
                 message = f"{where}: recipes/{script}.py {overrides}: {error}"
                 raise AssertionError(message) from error
+
+
+def defined_names(path) -> set[str]:
+    """The functions and classes defined in the Python file ``path`` (at any depth)."""
+    tree = ast.parse(path.read_text())
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {node.name for node in ast.walk(tree) if isinstance(node, kinds)}
+
+
+def test_every_test_the_docs_name_exists():
+    """The docs prove behaviour by naming tests (``tests/test_x.py::test_y``, then
+    ``::test_z`` for another test of the last file named); a renamed or moved test leaves the
+    reader a node id pytest cannot find. Abbreviated names (``..._at_epoch_end_...``) are
+    left out."""
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    reference = re.compile(r"(tests/[\w/]+\.py)|(?:(?<=\.py)|(?<![\w>]))::(\w+)")
+    missing = []
+    for page in pages:
+        current = None
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for match in reference.finditer(line):
+                where = f"{page.name}:{number}"
+                if match.group(1):
+                    current = REPO_ROOT / match.group(1)
+                    if not current.is_file():
+                        missing.append(f"{where}: {match.group(1)} does not exist")
+                    continue
+                name = match.group(2)
+                if line[match.end() : match.end() + 3] == "...":
+                    continue
+                if current is None or not current.is_file() or name not in defined_names(current):
+                    test_file = current.relative_to(REPO_ROOT) if current else None
+                    missing.append(f"{where}: {test_file}::{name} does not exist")
+    assert not missing, "\n".join(missing)
