@@ -176,3 +176,35 @@ def test_every_test_the_docs_name_exists():
                     test_file = current.relative_to(REPO_ROOT) if current else None
                     missing.append(f"{where}: {test_file}::{name} does not exist")
     assert not missing, "\n".join(missing)
+
+
+def test_the_model_sizes_the_docs_and_configs_state_are_the_models_sizes():
+    """The parameter counts that README.md's config table and the comments of
+    conf/model/ and conf/experiment/ (the first lines ``--help`` shows) give a model are,
+    within 2 %, those of the model the option builds (Conformer-M's comment said ~27 M of its
+    25.6 M)."""
+    from recipes.modules import build_model
+    from tests.recipe_helpers import compose_config
+
+    stated = []  # (where, overrides, millions)
+    for group in ("model", "experiment"):
+        for conf in sorted((REPO_ROOT / "conf" / group).glob("*.yaml")):
+            comments = " ".join(
+                line for line in conf.read_text().splitlines() if line.lstrip().startswith("#")
+            )
+            for millions in re.findall(r"([\d.]+) M parameters", comments):
+                stated.append((conf.name, [f"{group}={conf.stem}"], float(millions)))
+    readme = (REPO_ROOT / "README.md").read_text()
+    for name, millions in re.findall(r"`(\w+)` \([^()`]*?([\d.]+) M parameters\)", readme):
+        stated.append(("README.md", [f"model={name}"], float(millions)))
+    assert len(stated) >= 3
+    sizes: dict[str, float] = {}
+    for where, overrides, millions in stated:
+        cfg = compose_config([*overrides, "device=cpu"])
+        if cfg.model.name not in sizes:
+            model = build_model(cfg, ("a", "b", "c"))
+            sizes[cfg.model.name] = sum(p.numel() for p in model.parameters()) / 1e6
+        actual = sizes[cfg.model.name]
+        assert abs(actual - millions) <= 0.02 * actual, (
+            f"{where} says {overrides[0]} has {millions} M parameters; it has {actual:.2f} M"
+        )
