@@ -774,6 +774,19 @@ def test_cli_run_folder_holds_everything(cli_run, fsdd_root):
     assert f"output_dir: {cli_run}" in resolved
 
 
+def test_every_file_of_a_run_folder_is_described_in_run_outputs_md(cli_run):
+    """docs/run_outputs.md's "The run folder" lists what a run folder holds; a file the run
+    writes that the list does not name (``run_overrides.yaml`` was missing) leaves users to
+    guess whether it may be deleted."""
+    from tests.conftest import REPO_ROOT
+
+    page = (REPO_ROOT / "docs" / "run_outputs.md").read_text()
+    section = page.split("## The run folder", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([^`/]+)/?[^`]*`", section))
+    written = {entry.name for entry in cli_run.iterdir()}
+    assert written - named == set(), f"not described in docs/run_outputs.md: {written - named}"
+
+
 def test_rerunning_a_finished_run_changes_nothing(cli_run, fsdd_root, prepared_digits):
     before = snapshot(cli_run)
     result = run_cli("train.py", cli_args(prepared_digits, cli_run), fsdd_root)
