@@ -208,3 +208,15 @@ def test_the_model_sizes_the_docs_and_configs_state_are_the_models_sizes():
         assert abs(actual - millions) <= 0.02 * actual, (
             f"{where} says {overrides[0]} has {millions} M parameters; it has {actual:.2f} M"
         )
+
+
+def test_benchmarks_md_gives_run_gpu_sh_parts_in_their_default_order():
+    """docs/benchmarks.md says in which order ``benchmarks/run_gpu.sh`` runs its parts by
+    default (what a lease's deadline cuts off first); it listed an order the script had left."""
+    script = (REPO_ROOT / "benchmarks" / "run_gpu.sh").read_text()
+    [default] = re.findall(r'^PARTS=\$\{PARTS:-"([^"]+)"\}', script, flags=re.M)
+    parts = default.split()
+    page = " ".join((REPO_ROOT / "docs" / "benchmarks.md").read_text().split())
+    sentence = page.split("The default order", 1)[1].split("; a second command", 1)[0]
+    named = [name for name in re.findall(r"`(\w+)`", sentence) if name in parts]
+    assert named == parts
