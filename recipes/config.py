@@ -211,13 +211,15 @@ def _non_negative(cfg: DictConfig, key: str, meaning: str) -> None:
         raise ConfigError(f"{key}={value!r} is not valid; it must be >= 0 ({meaning}).")
 
 
-def _refuse_unknown(unknown: list[str], known: set[str], where: str) -> None:
+def _refuse_unknown(unknown: list[str], known: set[str], where: str, chosen: str = "") -> None:
+    """Refuse the first of ``unknown`` (keys below ``where``), naming the options of its
+    group that have it (``chosen``: this run's option of the group, when known)."""
     if not unknown:
         return
     key = unknown[0]
     options = _options_with_key(where.rstrip("."), key)
     if options:
-        raise ConfigError(_other_options_key(where.rstrip("."), key, options))
+        raise ConfigError(_other_options_key(where.rstrip("."), key, options, chosen))
     close = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f" Did you mean {where}{close[0]}?" if close else ""
     raise ConfigError(
@@ -257,7 +259,9 @@ def check_known_keys(node: DictConfig, where: str = "") -> None:
         return
     known = {f.name for f in dataclasses.fields(schema)}
     used = {str(key) for key in node} - ({"hydra"} if not where else set())
-    _refuse_unknown(sorted(used - known), known, where)
+    group, name = where.rstrip("."), node.get("name") if "name" in known else None
+    chosen = str(name) if group and (CONF_DIR / group / f"{name}.yaml").is_file() else ""
+    _refuse_unknown(sorted(used - known), known, where, chosen)
     for key in sorted(used):
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():

@@ -677,7 +677,8 @@ def test_in_process_rerun_of_a_finished_run_returns_its_results(
         (
             ["model=xvector", "+model.d_model=64"],
             r"model.d_model is a key of model=conformer_ctc and model=conformer_ctc_m, not of "
-            r"this run's model: choose that option \(model=conformer_ctc model.d_model=...\)",
+            r"this run's model=xvector: choose that option "
+            r"\(model=conformer_ctc model.d_model=...\)",
         ),
         (["+data.num_train=9"], r"data.num_train is a key of data=fsdd_connected, not of"),
         (["+data.features.nmels=20"], r"data.features.nmels .*Did you mean data.features.n_mels"),
