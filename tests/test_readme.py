@@ -1,5 +1,8 @@
-"""The README's two commands exist, come first, and CI runs the test command verbatim; every
-``recipes/train.py`` command documented in the README and in docs/ composes and validates."""
+"""What the docs tell users to run or look up still holds: the README's two commands exist,
+come first, and CI runs the test command verbatim; every ``recipes/{train,diagnose,benchmark}.py``
+command of README.md, docs/*.md and conf/'s comments passes Hydra's argument parser, composes
+and validates; every test the docs name exists; the model sizes and ``run_gpu.sh``'s part order
+they state are the code's."""
 
 from __future__ import annotations
 
