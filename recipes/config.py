@@ -80,6 +80,28 @@ HELP_EXAMPLES = (
 )
 
 
+#: ``recipes/diagnose.py --help``: what it does, its own keys and examples (the groups and
+#: the other keys are training's: it takes ``train.py``'s overrides).
+DIAGNOSE_HELP_INTRO = (
+    "Which layers of a recipe are unsafe in fp16/bf16, and the config line that fixes them:",
+    "trains a few batches of the real recipe from scratch (nothing is saved) and writes",
+    "numerics.md, activation_memory.md and step_operations.md (and .json) into its folder.",
+    "It takes the config groups and overrides of train.py.",
+)
+DIAGNOSE_HELP_KEYS = (("diagnose", "batches"), ("precision", "fp32_modules"))
+#: ``HELP_KEYS`` that a diagnosis, a few batches that save nothing, does not use.
+TRAINING_ONLY_KEYS = (
+    ("trainer", "epochs"),
+    ("trainer", "debug"),
+    ("trainer", "ckpt_interval_minutes"),
+)
+DIAGNOSE_HELP_EXAMPLES = (
+    "python recipes/diagnose.py precision=fp16                    # the ASR recipe, 4 batches",
+    "python recipes/diagnose.py precision=bf16 model=xvector diagnose.batches=8",
+    "python recipes/diagnose.py precision=fp16 'precision.fp32_modules=[model.blocks.*.conv]'",
+)
+
+
 def on_cuda(device_name: str) -> bool:
     """Whether ``device.name`` trains on a CUDA GPU: ``cuda``/``cuda:N``, or ``auto`` on a
     machine with one (what ``resolve_device`` picks)."""
@@ -108,37 +130,62 @@ def _comments(path: Path) -> tuple[str, dict[str, str]]:
     return title, keys
 
 
-def config_help() -> str:
-    """``train.py --help``: each group's options with their descriptions, keys, examples."""
+def config_help(script: str = "train") -> str:
+    """``--help`` of ``recipes/train.py`` (``script="train"``) or ``recipes/diagnose.py``
+    (``"diagnose"``, which takes training's groups and overrides): what it does, each
+    group's options with their descriptions, the most used keys, examples."""
+    if script not in ("train", "diagnose"):
+        raise ValueError(f"config_help: no help for recipes/{script}.py (train or diagnose)")
     defaults = {}
     for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
         if isinstance(entry, Mapping):
             defaults.update({str(k): str(v) for k, v in entry.items()})
+    if script == "diagnose":
+        intro, examples = DIAGNOSE_HELP_INTRO, DIAGNOSE_HELP_EXAMPLES
+        keys = DIAGNOSE_HELP_KEYS + tuple(k for k in HELP_KEYS if k not in TRAINING_ONLY_KEYS)
+        run_dir = "outputs/<data>/<model>/diagnose/..."
+    else:
+        intro = (
+            "Train a speech model (Conformer-CTC ASR or x-vector speaker ID) on FSDD under the",
+            "precision you pick (fp32, or fp16/bf16 torch.autocast). Re-running the same command",
+            "resumes the run; a finished run is left as it is.",
+        )
+        keys, examples, run_dir = HELP_KEYS, HELP_EXAMPLES, "outputs/<data>/<model>/..."
+    sweep = "  (-m: sweep)" if script == "train" else ""
     out = [
-        "Train a speech model (Conformer-CTC ASR or x-vector speaker ID) on FSDD under the",
-        "precision you pick (fp32, or fp16/bf16 torch.autocast). Re-running the same command",
-        "resumes the run; a finished run is left as it is.",
+        *intro,
         "",
-        "Usage: python recipes/train.py [group=option ...] [key=value ...]  (-m: sweep)",
+        f"Usage: python recipes/{script}.py [group=option ...] [key=value ...]{sweep}",
         "",
         "Config groups (group=option; * = default):",
     ]
     for group in (*GROUPS, *PRESET_GROUPS):
+        if script == "diagnose" and group == "hparams_search":
+            continue  # a search runs training jobs
         out.append(f"  {group}:")
         for path in sorted((CONF_DIR / group).glob("*.yaml")):
             mark = "*" if defaults.get(group) == path.stem else " "
             out.append(f"   {mark}{path.stem:<15} {_comments(path)[0]}")
     out += ["", "Most used keys (key=value; every key: --cfg job):"]
-    for group, key in HELP_KEYS:
-        option = defaults.get(group, "default")
-        comment = _comments(CONF_DIR / group / f"{option}.yaml")[1].get(key) or schema_help(
-            group, key
-        )
-        out.append(f"  {f'{group}.{key}':<33} {comment}")
-    out.append(f"  {'hydra.run.dir':<33} the run folder (default: outputs/<data>/<model>/...)")
-    out += ["", "Examples:", *(f"  {example}" for example in HELP_EXAMPLES)]
+    for group, key in keys:
+        if group == "diagnose":  # diagnose.yaml's own node
+            comment = _nested_comment(CONF_DIR / "diagnose.yaml", key)
+        else:
+            option = defaults.get(group, "default")
+            comment = _comments(CONF_DIR / group / f"{option}.yaml")[1].get(key)
+        out.append(f"  {f'{group}.{key}':<33} {comment or schema_help(group, key)}")
+    out.append(f"  {'hydra.run.dir':<33} the run folder (default: {run_dir})")
+    out += ["", "Examples:", *(f"  {example}" for example in examples)]
     out += ["", "Hydra's own options: --hydra-help"]
     return "\n".join(out)
+
+
+def _nested_comment(path: Path, key: str) -> str | None:
+    """The comment of ``key`` one level down in a config file (``diagnose:`` / ``  batches:``)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("  ") and line.strip().startswith(f"{key}:") and "#" in line:
+            return line.split("#", 1)[1].strip()
+    return None
 
 
 def _choice(cfg: DictConfig, key: str, choices: Iterable[str]) -> None:
@@ -254,13 +301,15 @@ def _check_data_name(cfg: DictConfig) -> None:
     )
 
 
-def _refuse_unknown(unknown: list[str], known: set[str], where: str) -> None:
+def _refuse_unknown(unknown: list[str], known: set[str], where: str, chosen: str = "") -> None:
+    """Refuse the first of ``unknown`` (keys below ``where``), naming the options of its
+    group that have it (``chosen``: this run's option of the group, when known)."""
     if not unknown:
         return
     key = unknown[0]
     options = _options_with_key(where.rstrip("."), key)
     if options:
-        raise ConfigError(_other_options_key(where.rstrip("."), key, options))
+        raise ConfigError(_other_options_key(where.rstrip("."), key, options, chosen))
     close = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f" Did you mean {where}{close[0]}?" if close else ""
     raise ConfigError(
@@ -300,7 +349,9 @@ def check_known_keys(node: DictConfig, where: str = "") -> None:
         return
     known = {f.name for f in dataclasses.fields(schema)}
     used = {str(key) for key in node} - ({"hydra"} if not where else set())
-    _refuse_unknown(sorted(used - known), known, where)
+    group, name = where.rstrip("."), node.get("name") if "name" in known else None
+    chosen = str(name) if group and (CONF_DIR / group / f"{name}.yaml").is_file() else ""
+    _refuse_unknown(sorted(used - known), known, where, chosen)
     for key in sorted(used):
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():

@@ -40,4 +40,6 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("on_cuda", on_cuda)
     if not OmegaConf.has_resolver("config_help"):
         # Hydra's help template goes through string.Template: "$" must be doubled.
-        OmegaConf.register_new_resolver("config_help", lambda: config_help().replace("$", "$$"))
+        OmegaConf.register_new_resolver(
+            "config_help", lambda script="train": config_help(script).replace("$", "$$")
+        )

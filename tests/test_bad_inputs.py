@@ -394,6 +394,19 @@ def test_help_lists_every_option_with_its_description_keys_and_examples(fsdd_roo
     assert "Examples:" in text and "precision=bf16 device=cuda" in text
 
 
+def test_diagnose_help_describes_the_diagnosis_not_training(fsdd_root):
+    """``recipes/diagnose.py --help`` printed train.py's help (its description, "Usage: python
+    recipes/train.py" and training examples), without the diagnosis's own keys."""
+    result = run_cli("diagnose.py", ["--help"], fsdd_root, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = result.stdout
+    assert "Usage: python recipes/diagnose.py" in text and "recipes/train.py" not in text
+    assert "numerics.md" in text  # what it writes
+    [line] = [line for line in text.splitlines() if line.split()[:1] == ["diagnose.batches"]]
+    assert "training batches measured" in line  # with its comment in conf/diagnose.yaml
+    assert "precision.fp32_modules" in text and "  precision:" in text  # the fix, the groups
+
+
 def test_an_fp32_modules_pattern_that_names_nothing_is_refused_before_data_preparation(tmp_path):
     """It was refused only once the manifests had been written."""
     from amp_utils.module_precision import UnknownModulePatternError

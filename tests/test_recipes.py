@@ -677,7 +677,8 @@ def test_in_process_rerun_of_a_finished_run_returns_its_results(
         (
             ["model=xvector", "+model.d_model=64"],
             r"model.d_model is a key of model=conformer_ctc and model=conformer_ctc_m, not of "
-            r"this run's model: choose that option \(model=conformer_ctc model.d_model=...\)",
+            r"this run's model=xvector: choose that option "
+            r"\(model=conformer_ctc model.d_model=...\)",
         ),
         (["+data.num_train=9"], r"data.num_train is a key of data=fsdd_connected, not of"),
         (["+data.features.nmels=20"], r"data.features.nmels .*Did you mean data.features.n_mels"),
@@ -772,6 +773,19 @@ def test_cli_run_folder_holds_everything(cli_run, fsdd_root):
     resolved = (cli_run / "config_resolved.yaml").read_text()
     assert "${" not in resolved and f"root: {fsdd_root}" in resolved
     assert f"output_dir: {cli_run}" in resolved
+
+
+def test_every_file_of_a_run_folder_is_described_in_run_outputs_md(cli_run):
+    """docs/run_outputs.md's "The run folder" lists what a run folder holds; a file the run
+    writes that the list does not name (``run_overrides.yaml`` was missing) leaves users to
+    guess whether it may be deleted."""
+    from tests.conftest import REPO_ROOT
+
+    page = (REPO_ROOT / "docs" / "run_outputs.md").read_text()
+    section = page.split("## The run folder", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([^`/]+)/?[^`]*`", section))
+    written = {entry.name for entry in cli_run.iterdir()}
+    assert written - named == set(), f"not described in docs/run_outputs.md: {written - named}"
 
 
 def test_rerunning_a_finished_run_changes_nothing(cli_run, fsdd_root, prepared_digits):
