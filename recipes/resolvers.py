@@ -12,7 +12,8 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from amp_utils.sweep_keys import fit_folder_name, sweep_job_name
-from recipes.config import config_help, on_cuda
+from recipes.config import on_cuda
+from recipes.config_help import config_help
 from recipes.sweep_jobs import sweep_job_folder
 
 

@@ -385,7 +385,7 @@ def test_help_lists_every_option_with_its_description_keys_and_examples(fsdd_roo
             assert f"{option.stem}" in text and description in text, option
     assert "*fp32" in text and "*conformer_ctc" in text  # the defaults are marked
     assert "trainer.epochs" in text and "training epochs" in text
-    from recipes.config import HELP_KEYS
+    from recipes.config_help import HELP_KEYS
 
     for group, key in HELP_KEYS:  # each key with its comment (a YAML line's, else the schema's)
         [line] = [line for line in text.splitlines() if line.split()[:1] == [f"{group}.{key}"]]
@@ -545,7 +545,8 @@ def test_evaluate_untyped_config_gets_a_precision_refusal_naming_the_key():
 def test_help_lists_the_preset_groups_too():
     """``--help`` listed five groups: not ``debug=fast`` (the quick check), ``experiment``,
     ``hparams_search`` or ``fast_path``; a description went on mid-sentence without a mark."""
-    from recipes.config import CONF_DIR, PRESET_GROUPS, config_help
+    from recipes.config import CONF_DIR, PRESET_GROUPS
+    from recipes.config_help import config_help
 
     text = config_help()
     for group in PRESET_GROUPS:
