@@ -735,6 +735,13 @@ def _check_model_and_features(cfg: DictConfig, augmentations: dict[str, torch.nn
         _positive(cfg, key, integer=True)
     _positive(cfg, "data.features.hop_length", integer=True)
     features = cfg.data.features
+    spec = OmegaConf.select(cfg, "data.spec_augment")
+    if spec is not None and spec.enabled and spec.freq_mask > features.n_mels:
+        raise ConfigError(
+            f"data.spec_augment.freq_mask={spec.freq_mask} is wider than the "
+            f"data.features.n_mels={features.n_mels} mel bands it masks. Fix: "
+            f"data.spec_augment.freq_mask=N with N <= {features.n_mels} (0: no frequency masks)."
+        )
     if features.win_length > features.n_fft:
         raise ConfigError(
             f"data.features.win_length={features.win_length} is longer than data.features."
@@ -870,6 +877,22 @@ def validate_config(cfg: DictConfig) -> None:
             "e.g. device.onednn_cache_capacity=4096; 0: no cache; null: oneDNN's own default",
         )
     _non_negative(cfg, "device.num_workers", "DataLoader worker processes; 0 loads in the loop")
+    # negative intervals and counts acted as 0 ("off"), which is not what was asked for
+    for key, meaning in (
+        ("trainer.ckpt_interval_minutes", "minutes between mid-epoch checkpoints; 0: off"),
+        ("trainer.ckpt_interval_steps", "optimizer steps between mid-epoch checkpoints; 0: off"),
+        ("trainer.stall_warning_minutes", "minutes without a batch before a warning; 0: off"),
+        ("trainer.num_text_examples", "validation transcripts written to TensorBoard"),
+    ):
+        if OmegaConf.select(cfg, key) is not None:
+            _non_negative(cfg, key, meaning)
+    root = OmegaConf.select(cfg, "data.root")
+    if isinstance(root, str) and not root.strip():  # the folder the command runs in
+        raise ConfigError(
+            f"data.root={root!r} is empty: it would be the folder the command runs in, and "
+            "FSDD would be downloaded there. Fix: data.root=PATH (or FSDD_ROOT=PATH), the "
+            "folder holding FSDD or one to download it into."
+        )
     _non_negative(
         cfg, "data.ascending_epochs", "first epochs in shortest-first order; 0: random order"
     )

@@ -461,6 +461,15 @@ def test_fused_weight_casts_reaches_the_brains_run_options(fused):
         (["data.name=mine"], "choose one of: fsdd_digits, fsdd_connected, manifest"),
         # torch.manual_seed overflowed (a traceback once the run folder was locked)
         (["seed=18446744073709551616"], r"seed=18446744073709551616 is not valid; it must lie in"),
+        # negative counts and intervals acted as 0 ("off"), which their comments do not say
+        (["trainer.ckpt_interval_minutes=-5"], r"trainer.ckpt_interval_minutes=-5.0 is not valid"),
+        (["trainer.ckpt_interval_steps=-1"], r"trainer.ckpt_interval_steps=-1 is not valid"),
+        (["trainer.stall_warning_minutes=-1"], r"trainer.stall_warning_minutes=-1.0 is not valid"),
+        (["trainer.num_text_examples=-1"], r"trainer.num_text_examples=-1 is not valid"),
+        # a frequency mask wider than the mel bands: torchaudio masks every band, every time
+        (["data.spec_augment.freq_mask=41"], r"data.spec_augment.freq_mask=41 is wider than"),
+        # an empty data root is the folder the command runs in: FSDD downloaded there
+        (["data.root="], r"data.root='' is empty"),
     ],
 )
 def test_out_of_range_values_are_refused_before_any_work(overrides, message):
