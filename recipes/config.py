@@ -735,13 +735,6 @@ def _check_model_and_features(cfg: DictConfig, augmentations: dict[str, torch.nn
         _positive(cfg, key, integer=True)
     _positive(cfg, "data.features.hop_length", integer=True)
     features = cfg.data.features
-    spec = OmegaConf.select(cfg, "data.spec_augment")
-    if spec is not None and spec.enabled and spec.freq_mask > features.n_mels:
-        raise ConfigError(
-            f"data.spec_augment.freq_mask={spec.freq_mask} is wider than the "
-            f"data.features.n_mels={features.n_mels} mel bands it masks. Fix: "
-            f"data.spec_augment.freq_mask=N with N <= {features.n_mels} (0: no frequency masks)."
-        )
     if features.win_length > features.n_fft:
         raise ConfigError(
             f"data.features.win_length={features.win_length} is longer than data.features."
@@ -755,6 +748,14 @@ def _check_model_and_features(cfg: DictConfig, augmentations: dict[str, torch.nn
             modules["model"] = build_model(cfg, _PLACEHOLDER_SPEAKERS)
     except ValueError as err:
         raise ConfigError(f"model={cfg.model.name}: {err}") from None
+    # (after the model: too few mel bands for its subsampling is named first)
+    spec = OmegaConf.select(cfg, "data.spec_augment")
+    if spec is not None and spec.enabled and spec.freq_mask > features.n_mels:
+        raise ConfigError(
+            f"data.spec_augment.freq_mask={spec.freq_mask} is wider than the "
+            f"data.features.n_mels={features.n_mels} mel bands it masks. Fix: "
+            f"data.spec_augment.freq_mask=N with N <= {features.n_mels} (0: no frequency masks)."
+        )
     modules.update(augmentations)
     # precision.fp32_modules: a pattern that names no module is refused here, not after
     # the data are prepared (UnknownModulePatternError, one line)
