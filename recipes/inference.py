@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -276,13 +277,13 @@ def unfinished_run_note(run_dir: Path) -> str | None:
     )
 
 
-def training_seconds(run_dir: Path) -> tuple[float, float] | None:
+def training_seconds(run_dir: Path, labels_record: dict[str, Any]) -> tuple[float, float] | None:
     """``(shortest, longest)`` training utterance of the run in ``run_dir``, in seconds:
-    from its ``labels.json`` (``train_seconds``), or for a run from before that was
-    recorded, from the training manifest its ``results.json`` names; None if neither
-    gives it (the manifest gone, an unfinished older run)."""
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        recorded = json.loads((run_dir / LABELS_FILE).read_text()).get("train_seconds")
+    from its ``labels.json`` record (``labels_record["train_seconds"]``), or for a run from
+    before that was recorded, from the training manifest its ``results.json`` names; None
+    if neither gives it (the manifest gone, an unfinished older run)."""
+    with contextlib.suppress(ValueError, TypeError):
+        recorded = labels_record.get("train_seconds")
         if recorded:
             return float(recorded[0]), float(recorded[1])
     try:
@@ -353,5 +354,5 @@ def load_trained(
         labels,
         dev,
         amp,
-        train_seconds=training_seconds(run_dir),
+        train_seconds=training_seconds(run_dir, labels_json),
     )

@@ -228,7 +228,7 @@ def sweep_job_folder(num: Any, name: str, *, _root_: DictConfig) -> str:
     without a job number: ``{num}_{name}``.
     """
     hydra = _root_.hydra
-    natural = fit_folder_name(f"{num}_{name}")
+    natural = numbered_folder(num, name)
     number = _job_number(num)
     mode = OmegaConf.select(hydra, "mode", default=None)
     if number is None or getattr(mode, "name", str(mode)) != "MULTIRUN":
